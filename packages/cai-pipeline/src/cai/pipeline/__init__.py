@@ -1,0 +1,7 @@
+"""cai-pipeline: Pipeline parallelism: stage manager, partitioning, P2P and 1F1B / interleaved / zero-bubble schedules."""
+
+from importlib.metadata import version as _version
+
+__version__ = _version("cai-pipeline")
+
+__all__ = ["__version__"]
