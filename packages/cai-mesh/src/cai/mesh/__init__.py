@@ -1,9 +1,49 @@
-"""cai-mesh: parallel axes, device mesh, launch, coordination, logging, accelerator, ShardSpec."""
+"""cai-mesh: parallel axes, device mesh, launch, coordination, logging, accelerator, ShardSpec.
+
+The multi-process test helpers live in the submodule ``cai.mesh.testing`` (not re-exported here).
+"""
 
 from importlib.metadata import version as _version
 
+from cai.mesh._accelerator import (
+    BaseAccelerator,
+    CpuAccelerator,
+    CudaAccelerator,
+    auto_set_accelerator,
+    get_accelerator,
+    get_current_device,
+    set_accelerator,
+)
+from cai.mesh._coordinator import DistCoordinator
+from cai.mesh._launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, set_seed
+from cai.mesh._logging import DistributedLogger, disable_existing_loggers, get_dist_logger
+from cai.mesh._parallel_dims import AXES, ParallelDims, ParallelMesh
 from cai.mesh._shard_spec import LocalShard, ShardSpec, assemble
 
 __version__ = _version("cai-mesh")
 
-__all__ = ["LocalShard", "ShardSpec", "__version__", "assemble"]
+__all__ = [
+    "AXES",
+    "BaseAccelerator",
+    "CpuAccelerator",
+    "CudaAccelerator",
+    "DistCoordinator",
+    "DistributedLogger",
+    "LocalShard",
+    "ParallelDims",
+    "ParallelMesh",
+    "ShardSpec",
+    "__version__",
+    "assemble",
+    "auto_set_accelerator",
+    "disable_existing_loggers",
+    "get_accelerator",
+    "get_current_device",
+    "get_dist_logger",
+    "launch",
+    "launch_from_openmpi",
+    "launch_from_slurm",
+    "launch_from_torch",
+    "set_accelerator",
+    "set_seed",
+]

@@ -1,0 +1,223 @@
+"""Start the default process group from torchrun, SLURM, OpenMPI or explicit arguments, and seed every RNG."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cai.mesh._accelerator import get_accelerator
+from cai.mesh._logging import get_dist_logger
+
+__all__ = ["launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "set_seed"]
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python's ``random``, NumPy (when installed), torch's CPU generator and every CUDA device."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device when CUDA is initialised
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional; nothing to seed
+        return
+    np.random.seed(seed % 2**32)
+
+
+def _env_ints(names: Mapping[str, str], source: str, hint: str) -> dict[str, int]:
+    """Read integer environment variables; the error names every missing one."""
+    missing = [var for var in names.values() if var not in os.environ]
+    if missing:
+        raise RuntimeError(f"{source}: environment variables {', '.join(missing)} are not set; {hint}")
+    out = {}
+    for key, var in names.items():
+        try:
+            out[key] = int(os.environ[var])
+        except ValueError:
+            raise RuntimeError(f"{source}: {var}={os.environ[var]!r} is not an integer") from None
+    return out
+
+
+def _tcp(host: str, port: int | str) -> str:
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # bracket IPv6 literals
+    return f"tcp://{host}:{int(port)}"
+
+
+def _init(
+    *,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str | None,
+    local_rank: int | None,
+    seed: int,
+    verbose: bool,
+    timeout: timedelta | None,
+) -> None:
+    if not 0 <= rank < world_size:
+        raise ValueError(f"launch: rank {rank} must be in [0, world_size={world_size})")
+    accelerator = get_accelerator()
+    backend = backend or accelerator.communication_backend
+    # Kernels and collectives issued on one stream run in issue order only with one hardware queue; tensor
+    # parallelism relies on that to overlap communication with compute. Must be set before CUDA initialises.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if accelerator.support_set_device:
+        count = accelerator.device_count()
+        accelerator.set_device(local_rank if local_rank is not None else rank % max(count, 1))
+    logger = get_dist_logger()
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise RuntimeError(
+                f"launch: torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world_size}"
+            )
+        logger.warning(
+            "torch.distributed was already initialised; keeping the existing process group", ranks=[0]
+        )
+    else:
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs
+        )
+    set_seed(seed)
+    if verbose:
+        logger.info(
+            f"Distributed environment is initialized: world size {world_size}, backend {dist.get_backend()}, "
+            f"device {accelerator.get_current_device()}, seed {seed}",
+            ranks=[0],
+        )
+
+
+def launch(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int | str,
+    backend: str | None = None,
+    local_rank: int | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: timedelta | None = None,
+) -> None:
+    """Initialise the default process group over TCP at ``host:port``, pick the device and seed every RNG.
+
+    Args:
+        rank: this process's global rank; world_size: number of processes.
+        host, port: address of rank 0's TCP store (IPv6 literals are accepted).
+        backend: "nccl", "gloo", ...; None picks the accelerator's ("nccl" with CUDA, else "gloo").
+        local_rank: GPU index on this node; None uses ``rank % device_count``.
+        seed: seeds Python, NumPy, torch and CUDA RNGs (see ``set_seed``). verbose: log one line on rank 0.
+        timeout: collective timeout (torch's default when None).
+
+    Calling it when the group is already initialised with the same rank and world size only seeds.
+    """
+    _init(
+        rank=rank,
+        world_size=world_size,
+        init_method=_tcp(host, port),
+        backend=backend,
+        local_rank=local_rank,
+        seed=seed,
+        verbose=verbose,
+        timeout=timeout,
+    )
+
+
+def launch_from_torch(
+    backend: str | None = None, seed: int = 1024, verbose: bool = True, timeout: timedelta | None = None
+) -> None:
+    """``launch`` for processes started by ``torchrun`` or ``cai run`` (reads RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT).
+
+    Example::
+
+        # cai run --nproc_per_node 8 train.py
+        launch_from_torch(seed=42)
+    """
+    env = _env_ints(
+        {"rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE", "port": "MASTER_PORT"},
+        "launch_from_torch",
+        "start the script with `cai run --nproc_per_node N script.py` or torchrun",
+    )
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(
+            "launch_from_torch: environment variable MASTER_ADDR is not set; start with cai run or torchrun"
+        )
+    # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE) instead of opening a new port.
+    _init(
+        rank=env["rank"],
+        world_size=env["world_size"],
+        init_method="env://",
+        backend=backend,
+        local_rank=env["local_rank"],
+        seed=seed,
+        verbose=verbose,
+        timeout=timeout,
+    )
+
+
+def launch_from_slurm(
+    host: str,
+    port: int | str,
+    backend: str | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: timedelta | None = None,
+) -> None:
+    """``launch`` for processes started by ``srun`` (reads SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID).
+
+    ``host`` is usually the first node of ``scontrol show hostnames $SLURM_JOB_NODELIST``.
+    """
+    # Newer SLURM versions set SLURM_NTASKS; older ones SLURM_NPROCS (same value).
+    size_var = (
+        "SLURM_NPROCS" if "SLURM_NPROCS" in os.environ or "SLURM_NTASKS" not in os.environ else "SLURM_NTASKS"
+    )
+    env = _env_ints(
+        {"rank": "SLURM_PROCID", "world_size": size_var}, "launch_from_slurm", "start the script with srun"
+    )
+    local = os.environ.get("SLURM_LOCALID")
+    _init(
+        rank=env["rank"],
+        world_size=env["world_size"],
+        init_method=_tcp(host, port),
+        backend=backend,
+        local_rank=int(local) if local is not None else None,
+        seed=seed,
+        verbose=verbose,
+        timeout=timeout,
+    )
+
+
+def launch_from_openmpi(
+    host: str,
+    port: int | str,
+    backend: str | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: timedelta | None = None,
+) -> None:
+    """``launch`` for processes started by OpenMPI's ``mpirun`` (reads OMPI_COMM_WORLD_RANK, _LOCAL_RANK, _SIZE)."""
+    env = _env_ints(
+        {
+            "rank": "OMPI_COMM_WORLD_RANK",
+            "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+            "world_size": "OMPI_COMM_WORLD_SIZE",
+        },
+        "launch_from_openmpi",
+        "start the script with mpirun",
+    )
+    _init(
+        rank=env["rank"],
+        world_size=env["world_size"],
+        init_method=_tcp(host, port),
+        backend=backend,
+        local_rank=env["local_rank"],
+        seed=seed,
+        verbose=verbose,
+        timeout=timeout,
+    )
