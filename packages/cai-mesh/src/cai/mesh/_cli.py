@@ -1,0 +1,30 @@
+"""The ``cai`` command: ``cai run`` (start training) and ``cai check`` (inspect this machine)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cai.mesh._cli_check import add_check_parser
+from cai.mesh._cli_run import add_run_parser
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cai", description="Launch and inspect cai training jobs.")
+    sub = parser.add_subparsers(dest="command", metavar="{run,check}")
+    sub.required = True
+    add_run_parser(sub)
+    add_check_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``cai`` console script; returns the exit code."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
