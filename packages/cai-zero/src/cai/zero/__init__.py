@@ -2,6 +2,10 @@
 
 from importlib.metadata import version as _version
 
+from cai.zero._compat import LowLevelZeroOptimizer
+from cai.zero._config import LossScaleConfig, ZeroConfig
+from cai.zero._optimizer import ZeroOptimizer
+
 __version__ = _version("cai-zero")
 
-__all__ = ["__version__"]
+__all__ = ["LossScaleConfig", "LowLevelZeroOptimizer", "ZeroConfig", "ZeroOptimizer", "__version__"]

@@ -1,0 +1,123 @@
+"""Flat buckets: parameters as views into one padded buffer, each rank owning an even flat slice.
+
+[Note: bucket layout]
+A bucket is a contiguous flat buffer holding several parameters of one optimizer param group and one dtype,
+back to back, followed by zeros so that its length is ``shard * world_size``. Rank r owns elements
+``[r * shard, (r + 1) * shard)``: its fp32 master shard, optimizer state and (stage 2) gradient shard cover exactly
+that range. A parameter may straddle several ranks' ranges; its piece on rank r is the intersection, which is
+what ``ShardSpec(flat_range=...)`` describes. Padding lives only at the bucket's end, is always zero in the
+working buffer and gradients, and therefore stays zero in every elementwise optimizer's state: it never leaks out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from cai.mesh import ShardSpec
+
+
+@dataclass(eq=False)
+class Slot:
+    """One parameter's place in its bucket."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int  # first element inside the bucket's flat buffer
+    numel: int
+    shape: tuple[int, ...]
+
+    def local_range(self, lo: int, hi: int) -> tuple[int, int] | None:
+        """This parameter's elements inside bucket range [lo, hi), relative to the parameter, or None."""
+        a, b = max(self.offset, lo), min(self.offset + self.numel, hi)
+        return (a - self.offset, b - self.offset) if a < b else None
+
+    def spec(self, lo: int, hi: int) -> ShardSpec | None:
+        rng = self.local_range(lo, hi)
+        return None if rng is None else ShardSpec(global_shape=self.shape, flat_range=rng)
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A flat bucket of parameters and the per-step bookkeeping of its gradient reduction."""
+
+    index: int
+    group_index: int
+    dtype: torch.dtype
+    slots: list[Slot]
+    numel: int  # unpadded
+    shard: int  # elements per rank
+    world_size: int
+    rank: int
+    working: torch.Tensor | None = None  # (shard * world_size,) working dtype; params are views of it
+    master: torch.Tensor | None = None  # (shard,) fp32, on the host with cpu_offload
+    grad: torch.Tensor | None = None  # (shard * world_size,) comm dtype, alive while gradients accumulate
+    received: int = 0  # gradients received in the current backward
+    reduced_this_backward: bool = False
+    reduced_in_window: int = 0  # reductions since the last step()/zero_grad()
+    gather_work: list = field(default_factory=list)  # async all-gather handles (overlap_allgather)
+    keep_alive: list = field(default_factory=list)  # tensors an in-flight collective still reads
+
+    @property
+    def padded(self) -> int:
+        return self.shard * self.world_size
+
+    @property
+    def lo(self) -> int:
+        return self.rank * self.shard
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.shard
+
+
+def plan_buckets(
+    groups: list[list[tuple[str, torch.nn.Parameter]]], *, bucket_numel, world_size: int, rank: int
+) -> list[Bucket]:
+    """Split trainable parameters into buckets in reverse order (the order backward produces gradients).
+
+    ``bucket_numel(dtype)`` gives the target size; a parameter larger than it gets a bucket of its own. Buckets
+    never mix param groups or dtypes, so each master shard has one set of hyperparameters.
+    """
+    order: list[tuple[int, str, torch.nn.Parameter]] = [
+        (g, name, p) for g, named in enumerate(groups) for name, p in named
+    ]
+    buckets: list[Bucket] = []
+    current: list[tuple[int, str, torch.nn.Parameter]] = []
+
+    def close() -> None:
+        if not current:
+            return
+        slots, offset = [], 0
+        for _, name, p in current:
+            slots.append(Slot(name=name, param=p, offset=offset, numel=p.numel(), shape=tuple(p.shape)))
+            offset += p.numel()
+        shard = max(1, math.ceil(offset / world_size))
+        g, _, p0 = current[0]
+        buckets.append(
+            Bucket(
+                index=len(buckets),
+                group_index=g,
+                dtype=p0.dtype,
+                slots=slots,
+                numel=offset,
+                shard=shard,
+                world_size=world_size,
+                rank=rank,
+            )
+        )
+        current.clear()
+
+    size = 0
+    for g, name, p in reversed(order):
+        if current and (
+            current[-1][0] != g or current[-1][2].dtype != p.dtype or size + p.numel() > bucket_numel(p.dtype)
+        ):
+            close()
+            size = 0
+        current.append((g, name, p))
+        size += p.numel()
+    close()
+    return buckets

@@ -1,0 +1,99 @@
+"""Typed configuration for the ZeRO optimizer and its dynamic loss scaler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LossScaleConfig", "ZeroConfig"]
+
+_COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """How :class:`ZeroOptimizer` shards, buckets and communicates.
+
+    Args:
+        stage: 1 shards fp32 master weights and optimizer state (gradients are all-reduced, each rank keeps its
+            slice); 2 also shards gradients (reduce-scatter). Default 2.
+        bucket_size_mb: size of one flat gradient bucket in MiB of ``comm_dtype``; one collective per bucket.
+        comm_dtype: dtype gradients are reduced in; None uses the working parameters' dtype. ``torch.float32``
+            gives an fp32 reduction of low-precision gradients (more traffic, no rounding in the sum).
+        overlap_comm: on CUDA, run bucket reductions on a side stream while backward continues. Ignored on CPU,
+            where gloo collectives run synchronously as each bucket fills.
+        overlap_allgather: start the post-step all-gathers asynchronously and let each module wait for its own
+            parameters in its forward pre-hook (needs the model, not only its named parameters).
+        cpu_offload: keep fp32 master shards and optimizer state in host memory (pinned on CUDA) and run the
+            wrapped optimizer there; pair it with ``cai.kernels.optim.HybridAdam``/``CPUAdam``.
+        max_norm: clip the global gradient L2 norm to this value inside ``step()``; 0 disables.
+    """
+
+    stage: int = 2
+    bucket_size_mb: float = 25.0
+    comm_dtype: torch.dtype | None = None
+    overlap_comm: bool = True
+    overlap_allgather: bool = False
+    cpu_offload: bool = False
+    max_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2):
+            raise ValueError(
+                f"ZeroConfig: stage={self.stage!r} is not supported; use 1 or 2 (stage 3 is cai-gemini)"
+            )
+        if not self.bucket_size_mb > 0:
+            raise ValueError(
+                f"ZeroConfig: bucket_size_mb={self.bucket_size_mb!r} must be > 0 (25 is a good default)"
+            )
+        if self.comm_dtype not in _COMM_DTYPES:
+            raise ValueError(
+                f"ZeroConfig: comm_dtype={self.comm_dtype!r}; use None, torch.float32, torch.bfloat16 or torch.float16"
+            )
+        if self.max_norm < 0:
+            raise ValueError(f"ZeroConfig: max_norm={self.max_norm!r} must be >= 0 (0 disables clipping)")
+
+    def bucket_numel(self, dtype: torch.dtype) -> int:
+        """Elements per gradient bucket for gradients reduced in ``dtype``."""
+        itemsize = torch.empty((), dtype=self.comm_dtype or dtype).element_size()
+        return max(1, int(self.bucket_size_mb * 2**20) // itemsize)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 working parameters.
+
+    The loss is multiplied by ``scale`` before backward. A step whose gradients hold an inf or NaN on any rank is
+    skipped; after ``hysteresis`` consecutive overflowing steps the scale is multiplied by ``backoff_factor``
+    (never below ``min_scale``). After ``growth_interval`` clean steps in a row it is multiplied by
+    ``growth_factor`` (never above ``max_scale``).
+    """
+
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+
+    def __post_init__(self) -> None:
+        if not self.min_scale > 0 or not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise ValueError(
+                f"LossScaleConfig: need 0 < min_scale <= initial_scale <= max_scale, got min_scale={self.min_scale}, "
+                f"initial_scale={self.initial_scale}, max_scale={self.max_scale}"
+            )
+        if not self.growth_factor > 1:
+            raise ValueError(
+                f"LossScaleConfig: growth_factor={self.growth_factor} must be > 1 (2.0 is usual)"
+            )
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(
+                f"LossScaleConfig: backoff_factor={self.backoff_factor} must be in (0, 1) (0.5 is usual)"
+            )
+        if self.growth_interval < 1 or self.hysteresis < 1:
+            raise ValueError(
+                f"LossScaleConfig: growth_interval={self.growth_interval} and hysteresis={self.hysteresis} "
+                "must both be >= 1"
+            )

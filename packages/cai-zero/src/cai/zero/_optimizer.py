@@ -1,0 +1,436 @@
+"""ZeroOptimizer: ZeRO-1/2 around any torch optimizer, over one data-parallel process group."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cai.zero import _state
+from cai.zero._bucket import Bucket, Slot, plan_buckets
+from cai.zero._config import LossScaleConfig, ZeroConfig
+from cai.zero._loss_scale import DynamicLossScaler
+
+logger = logging.getLogger("cai.zero")
+
+NamedParams = nn.Module | Iterable[tuple[str, nn.Parameter]]
+
+
+def _named_parameters(model: NamedParams) -> dict[int, str]:
+    items = model.named_parameters() if isinstance(model, nn.Module) else model
+    return {id(p): name for name, p in items}
+
+
+class ZeroOptimizer:
+    """Shard a torch optimizer's state and fp32 master weights (stage 1) and gradients (stage 2) over a group.
+
+    Args:
+        optimizer: any elementwise torch optimizer (AdamW, Adam, SGD, ``cai.kernels.optim`` ones) built on the
+            model's parameters and holding no state yet. Its ``param_groups`` are kept (LR schedulers built on it
+            keep working); their ``params`` become this rank's fp32 master shards.
+        model: the model (or its ``named_parameters()``); names key the layout-independent state. Cast it to the
+            working dtype (bf16, fp16 or fp32) before wrapping.
+        config: :class:`ZeroConfig` (stage, bucket size, comm dtype, overlap, offload, max_norm).
+        loss_scale: :class:`LossScaleConfig` for fp16 working parameters (default one if None); must be None
+            for bf16 and fp32, which are never scaled.
+        group: data-parallel process group (default: the world; a single process without torch.distributed).
+        norm_groups: extra process groups the gradient norm is summed over (tensor/pipeline parallel).
+
+    Example::
+
+        model = build().to(torch.bfloat16)
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), model=model,
+                            config=ZeroConfig(stage=2, max_norm=1.0))
+        for step, batches in enumerate(loader):       # batches: k micro-batches
+            for i, (x, y) in enumerate(batches):
+                ctx = opt.no_sync() if i < len(batches) - 1 else contextlib.nullcontext()
+                with ctx:
+                    opt.backward(model.loss(model(x), y) / len(batches))
+            opt.step()
+            opt.zero_grad()
+
+    Notes:
+        Gradients are averaged over the group (summed, divided by its size), like DDP. Micro-steps are summed:
+        with a loss that is a mean over each micro-batch, divide it by the number of micro-steps k to get the
+        update of one step on the k-times larger batch. ``no_sync()`` keeps each rank's gradients in local flat
+        buckets (full size, also for stage 2) and the next backward outside it, or ``step()``, reduces them once.
+        Working ``param.grad`` is None after backward: gradients live in the buckets and master shards; use
+        :meth:`clip_grad_norm` rather than ``torch.nn.utils.clip_grad_norm_``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        model: NamedParams,
+        config: ZeroConfig | None = None,
+        loss_scale: LossScaleConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+        norm_groups: Iterable[dist.ProcessGroup] = (),
+    ) -> None:
+        self.optim = optimizer
+        self.config = config = config or ZeroConfig()
+        self.group = group
+        self.norm_groups = tuple(norm_groups)
+        if dist.is_available() and dist.is_initialized():
+            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        else:
+            self.world_size, self.rank = 1, 0
+        if any(len(s) for s in optimizer.state.values()):
+            raise ValueError("ZeroOptimizer: the optimizer already has state; wrap it before its first step")
+
+        names = _named_parameters(model)
+        groups: list[list[tuple[str, nn.Parameter]]] = []
+        self._group_names: list[list[str]] = []
+        for gi, pg in enumerate(optimizer.param_groups):
+            named = []
+            for p in pg["params"]:
+                if id(p) not in names:
+                    raise ValueError(
+                        f"ZeroOptimizer: a parameter of shape {tuple(p.shape)} in param group {gi} is not among "
+                        "the model's named parameters; pass the model the optimizer was built on"
+                    )
+                if p.requires_grad:
+                    named.append((names[id(p)], p))
+            groups.append(named)
+            self._group_names.append([n for n, _ in named])
+        trainable = [p for named in groups for _, p in named]
+        if not trainable:
+            raise ValueError("ZeroOptimizer: the optimizer has no parameter with requires_grad=True")
+        self.device = trainable[0].device
+        dtypes = {p.dtype for p in trainable}
+        if any(p.device != self.device for p in trainable):
+            raise ValueError(
+                f"ZeroOptimizer: parameters are on several devices { ({p.device for p in trainable}) }"
+            )
+        if not all(d in (torch.float32, torch.bfloat16, torch.float16) for d in dtypes):
+            raise ValueError(f"ZeroOptimizer: working dtypes {dtypes}; use float32, bfloat16 or float16")
+        if torch.float16 in dtypes:
+            self.scaler: DynamicLossScaler | None = DynamicLossScaler(loss_scale or LossScaleConfig())
+        elif loss_scale is not None:
+            raise ValueError(f"ZeroOptimizer: loss_scale is only for fp16 parameters; these are {dtypes}")
+        else:
+            self.scaler = None
+        self._master_device = torch.device("cpu") if config.cpu_offload else self.device
+        self._pin = config.cpu_offload and self.device.type == "cuda"
+        self._stream = (
+            torch.cuda.Stream(device=self.device)
+            if self.device.type == "cuda" and config.overlap_comm
+            else None
+        )
+
+        self.buckets = plan_buckets(
+            groups, bucket_numel=config.bucket_numel, world_size=self.world_size, rank=self.rank
+        )
+        for b in self.buckets:
+            self._materialize(b)
+        for gi, pg in enumerate(optimizer.param_groups):
+            pg["params"] = [b.master for b in self.buckets if b.group_index == gi]
+        optimizer.state.clear()
+        self._slots = {s.name: (b, s) for b in self.buckets for s in b.slots}
+        self._frozen = {
+            n: p
+            for n, p in (model.named_parameters() if isinstance(model, nn.Module) else [])
+            if n not in self._slots
+        }
+
+        self._sync = True
+        self._accumulated = False  # a no_sync() backward left gradients in buckets since the last reduction
+        self._in_backward = False
+        self._backward_ends = 0
+        self._next_bucket = 0
+        self._step_count = 0
+        self._hooks = [
+            s.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b, s))
+            for b in self.buckets
+            for s in b.slots
+        ]
+        if config.overlap_allgather:
+            if not isinstance(model, nn.Module):
+                raise ValueError(
+                    "ZeroOptimizer: overlap_allgather=True needs the model (an nn.Module) for its hooks"
+                )
+            self._install_gather_waits(model)
+
+    # ---- layout -------------------------------------------------------------------------------------------
+    def _materialize(self, b: Bucket) -> None:
+        """Move the bucket's parameters into one flat working buffer and cut this rank's fp32 master shard."""
+        b.working = torch.zeros(b.padded, dtype=b.dtype, device=self.device)
+        for s in b.slots:
+            view = b.working[s.offset : s.offset + s.numel]
+            view.copy_(s.param.detach().reshape(-1))
+            s.param.data = view.view(s.shape)
+        master = torch.empty(b.shard, dtype=torch.float32, device=self._master_device, pin_memory=self._pin)
+        master.copy_(b.working[b.lo : b.hi])
+        b.master = master
+
+    def _install_gather_waits(self, model: nn.Module) -> None:
+        owner = {id(s.param): b for b in self.buckets for s in b.slots}
+        for module in model.modules():
+            mine = {
+                owner[id(p)].index: owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner
+            }
+            if mine:
+                buckets = list(mine.values())
+                self._hooks.append(
+                    module.register_forward_pre_hook(lambda _m, _a, bs=buckets: self._wait_gather(bs))
+                )
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optim.state
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    # ---- backward -----------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` with the fp16 loss scale applied; reduces the buckets unless inside ``no_sync()``."""
+        ends = self._backward_ends
+        (loss * self.scaler.scale if self.scaler else loss).backward(**kwargs)
+        if self._backward_ends == ends:
+            # no hook ran on this rank (every gradient was None): still issue the same collectives as the others
+            self._end_of_backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, for the backwards run inside the context."""
+        old, self._sync = self._sync, False
+        self._accumulated = True
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _on_grad(self, b: Bucket, slot: Slot, p: nn.Parameter) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if p.grad is None:
+            return
+        if b.grad is None:
+            b.grad = torch.zeros(b.padded, dtype=self.config.comm_dtype or b.dtype, device=self.device)
+        b.grad[slot.offset : slot.offset + slot.numel].add_(p.grad.reshape(-1))
+        p.grad = None
+        b.received += 1
+        if self._sync:
+            # Buckets are reduced strictly in index order so every rank issues the same collectives in the same
+            # order, even when a parameter gets no gradient on some rank (it is then flushed at the end).
+            while self._next_bucket < len(self.buckets):
+                nb = self.buckets[self._next_bucket]
+                if nb.received < len(nb.slots):
+                    break
+                self._reduce(nb)
+                self._next_bucket += 1
+
+    def _end_of_backward(self) -> None:
+        self._backward_ends += 1
+        if self._sync:
+            for b in self.buckets[self._next_bucket :]:
+                self._reduce(b)
+            self._accumulated = False
+        self._wait_comm()
+        for b in self.buckets:
+            b.received = 0
+        self._next_bucket = 0
+        self._in_backward = False
+
+    # ---- communication ------------------------------------------------------------------------------------
+    def _reduce(self, b: Bucket) -> None:
+        grad = b.grad
+        if grad is None:
+            grad = torch.zeros(b.padded, dtype=self.config.comm_dtype or b.dtype, device=self.device)
+        b.grad = None
+        b.reduced_in_window += 1
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if self.world_size > 1:
+                grad.div_(self.world_size)  # before the sum, so fp16 gradients do not overflow in it
+                if self.config.stage == 2:
+                    out = torch.empty(b.shard, dtype=grad.dtype, device=self.device)
+                    dist.reduce_scatter_tensor(out, grad, group=self.group)
+                else:
+                    dist.all_reduce(grad, group=self.group)
+                    out = grad[b.lo : b.hi]
+            else:
+                out = grad
+            self._add_master_grad(b, out)
+        if stream is not None:
+            grad.record_stream(stream)
+            out.record_stream(stream)
+
+    def _add_master_grad(self, b: Bucket, shard: torch.Tensor) -> None:
+        inv = 1.0 / self.scaler.scale if self.scaler else 1.0
+        if self.config.cpu_offload and self.device.type != "cpu":
+            self._consume_host_grad(b)
+            stage = torch.empty(b.shard, dtype=shard.dtype, pin_memory=self._pin)
+            stage.copy_(shard, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            b.keep_alive = [stage, event, inv]
+            return
+        if b.master.grad is None:
+            b.master.grad = shard.to(device=b.master.device, dtype=torch.float32, copy=True)
+            if inv != 1.0:
+                b.master.grad.mul_(inv)
+        else:
+            b.master.grad.add_(shard.to(b.master.device), alpha=inv)
+
+    def _consume_host_grad(self, b: Bucket) -> None:
+        """Fold a finished device-to-host gradient copy into the host master gradient."""
+        if not b.keep_alive:
+            return
+        stage, event, inv = b.keep_alive
+        b.keep_alive = []
+        event.synchronize()
+        if b.master.grad is None:
+            b.master.grad = stage.to(torch.float32, copy=True)
+            if inv != 1.0:
+                b.master.grad.mul_(inv)
+        else:
+            b.master.grad.add_(stage, alpha=inv)
+
+    def _wait_comm(self) -> None:
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def _finish_window(self) -> None:
+        """Reduce whatever no backward has reduced yet (no_sync accumulation, or no backward at all)."""
+        if self._in_backward:
+            raise RuntimeError(
+                "ZeroOptimizer: step()/clip_grad_norm() called while backward is still running"
+            )
+        for b in self.buckets:
+            if b.reduced_in_window == 0 or self._accumulated:
+                self._reduce(b)
+        self._accumulated = False
+        self._wait_comm()
+        for b in self.buckets:
+            self._consume_host_grad(b)
+
+    def _gather(self, b: Bucket, *, async_op: bool) -> None:
+        """All-gather the updated master shard into the bucket's working buffer (the parameters' storage)."""
+        if self.config.cpu_offload and self.device.type != "cpu":
+            stage = torch.empty(b.shard, dtype=b.dtype, pin_memory=self._pin)
+            stage.copy_(b.master)
+            shard = stage.to(self.device, non_blocking=True)
+        else:
+            shard = b.master.to(dtype=b.dtype)
+        if self.world_size == 1:
+            b.working.copy_(shard)
+            return
+        work = dist.all_gather_into_tensor(b.working, shard, group=self.group, async_op=async_op)
+        if async_op:
+            b.gather_work = [work, shard]
+
+    def _wait_gather(self, buckets: Iterable[Bucket]) -> None:
+        for b in buckets:
+            if b.gather_work:
+                b.gather_work[0].wait()
+                b.gather_work = []
+
+    def _gather_all(self) -> None:
+        for b in self.buckets:
+            self._gather(b, async_op=self.config.overlap_allgather)
+
+    # ---- step ---------------------------------------------------------------------------------------------
+    def _master_grads(self) -> list[torch.Tensor]:
+        return [b.master.grad for b in self.buckets if b.master.grad is not None]
+
+    def _all_reduce_scalar(self, t: torch.Tensor, op: dist.ReduceOp, groups: Iterable) -> torch.Tensor:
+        t = t.to(self.device)
+        for g in groups:
+            if dist.is_initialized() and dist.get_world_size(g) > 1:
+                dist.all_reduce(t, op=op, group=g)
+        return t
+
+    def _overflowed_groups(self) -> list[int]:
+        flags = torch.zeros(len(self.optim.param_groups), dtype=torch.float32, device=self._master_device)
+        for b in self.buckets:
+            if b.master.grad is not None:
+                flags[b.group_index] += (~torch.isfinite(b.master.grad)).any().float()
+        flags = self._all_reduce_scalar(flags, dist.ReduceOp.MAX, (self.group, *self.norm_groups))
+        return [i for i, f in enumerate(flags.tolist()) if f > 0]
+
+    def grad_norm(self, extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:
+        """Global L2 norm of the (unscaled) gradients over the data-parallel group and ``extra_groups``."""
+        self._finish_window()
+        sq = torch.zeros((), dtype=torch.float32, device=self._master_device)
+        for g in self._master_grads():
+            sq += g.pow(2).sum()
+        groups = (self.group, *self.norm_groups, *extra_groups)
+        return self._all_reduce_scalar(sq, dist.ReduceOp.SUM, groups).sqrt()
+
+    def clip_grad_norm(self, max_norm: float, extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:
+        """Scale gradients so that their global L2 norm is at most ``max_norm``; returns the norm before clipping.
+
+        The norm covers every rank's shards of the data-parallel group, plus the groups passed at construction
+        (``norm_groups``) and ``extra_groups``, over which partial squared norms are summed.
+        """
+        norm = self.grad_norm(extra_groups)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in self._master_grads():
+            g.mul_(coef.to(g.device))
+        return norm
+
+    def step(self, closure: None = None) -> None:
+        """Reduce what is pending, skip on fp16 overflow, clip, update the shards and all-gather them."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step: closures are not supported")
+        self._wait_gather(self.buckets)
+        self._finish_window()
+        if self.scaler is not None:
+            bad = self._overflowed_groups()
+            old = self.scaler.scale
+            self.scaler.update(bool(bad))
+            if bad:
+                logger.warning(
+                    "fp16 gradient overflow in param group(s) %s at step %d: step skipped, loss scale %g -> %g "
+                    "(%d overflow(s) so far)",
+                    bad, self._step_count, old, self.scaler.scale, self.scaler.overflow_count,
+                )  # fmt: skip
+                self.zero_grad()
+                return
+        if self.config.max_norm > 0:
+            self.clip_grad_norm(self.config.max_norm)
+        self.optim.step()
+        self._step_count += 1
+        for b in self.buckets:
+            b.master.grad = None
+            b.reduced_in_window = 0
+        self._gather_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient: master shards, buckets (including no_sync accumulation) and working params."""
+        self._wait_comm()
+        for b in self.buckets:
+            b.master.grad = None
+            b.grad = None
+            b.keep_alive = []
+            b.reduced_in_window = 0
+            for s in b.slots:
+                s.param.grad = None
+        self._accumulated = False
+
+    # ---- state: the layout-independent protocol and full state dicts live in _state.py ----------------------
+    sharded_state_dict = _state.sharded_state_dict
+    load_sharded_state_dict = _state.load_sharded_state_dict
+    model_sharded_state_dict = _state.model_sharded_state_dict
+    load_model_sharded_state_dict = _state.load_model_sharded_state_dict
+    param_groups_state = _state.param_groups_state
+    load_param_groups_state = _state.load_param_groups_state
+    state_dict = _state.state_dict
+    load_state_dict = _state.load_state_dict
