@@ -1,0 +1,338 @@
+"""Model and optimizer checkpoints: the free functions and the pieces ``save_state``/``load_state`` reuse."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cai.ckpt._codec import decode, encode
+from cai.ckpt._format import (
+    CONFIG_NAME,
+    MODEL_INDEX_NAME,
+    MODEL_SINGLE_NAME,
+    OPTIM_INDEX_NAME,
+    PARAM_GROUPS_NAME,
+    CheckpointError,
+    SafetensorsWriter,
+    read_json,
+    write_json,
+)
+from cai.ckpt._load import CheckpointReader
+from cai.ckpt._optim import TorchOptimizerAdapter
+from cai.ckpt._plan import local_metadata
+from cai.ckpt._save import full_state, join, write_sharded
+from cai.ckpt._txn import Transaction, finish, wait
+from cai.mesh import LocalShard, ShardSpec
+
+
+def unwrap(model: Any) -> Any:
+    """The user's module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(model, nn.Module) and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def model_state(source: Any) -> dict[str, LocalShard]:
+    source = unwrap(source)
+    if hasattr(source, "sharded_state_dict"):
+        return dict(source.sharded_state_dict())
+    if isinstance(source, nn.Module):
+        return full_state(source.state_dict())
+    if isinstance(source, dict):
+        return full_state(source)
+    raise TypeError(
+        f"cannot checkpoint a {type(source).__name__}: pass an nn.Module, a dict of tensors or an object with sharded_state_dict()"
+    )
+
+
+def _config_json(source: Any, config: Any) -> dict | None:
+    model = unwrap(source)
+    if config is None:
+        config = getattr(model, "config", None)
+        if config is None or not (hasattr(config, "to_dict") or isinstance(config, dict)):
+            return None
+    if isinstance(config, dict):
+        return dict(config)
+    data = (
+        json.loads(config.to_json_string(use_diff=False))
+        if hasattr(config, "to_json_string")
+        else config.to_dict()
+    )
+    if not data.get("architectures") and isinstance(model, nn.Module) and hasattr(model, "config"):
+        data["architectures"] = [type(model).__name__]
+    return data
+
+
+def write_json_tensors(txn: Transaction, rel: str, obj: Any) -> None:
+    """``rel.json``, and ``rel.safetensors`` for any tensors inside ``obj``."""
+    tensors: dict[str, torch.Tensor] = {}
+    data = encode(obj, tensors)
+    txn.record(rel + ".json", write_json(txn.path(rel + ".json"), data))
+    if tensors:
+        writer = SafetensorsWriter(
+            txn.path(rel + ".safetensors"),
+            [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()],
+            {"format": "pt"},
+        )
+        for k, v in tensors.items():
+            writer.write(k, v)
+        txn.record(rel + ".safetensors", writer.close())
+
+
+def read_json_tensors(path: Path, check: Callable[[Path], None] | None = None) -> Any:
+    """Inverse of ``write_json_tensors`` (``path`` without the suffix)."""
+    from safetensors.torch import load_file
+
+    from cai.ckpt._format import read_header
+
+    js, st = path.with_name(path.name + ".json"), path.with_name(path.name + ".safetensors")
+    if check:
+        check(js)
+    tensors = {}
+    if st.exists():
+        if check:
+            check(st)
+        read_header(st)
+        tensors = load_file(str(st))
+    return decode(read_json(js), tensors)
+
+
+def write_model(
+    txn: Transaction,
+    subdir: str,
+    source: Any,
+    *,
+    size_per_shard: float,
+    dtype: torch.dtype | None,
+    config: Any,
+    use_async: bool,
+) -> None:
+    def out_dtype(name: str, d: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and d.is_floating_point else d
+
+    state = model_state(source)
+    write_sharded(
+        txn,
+        state,
+        subdir=subdir,
+        prefix="model",
+        index_name=MODEL_INDEX_NAME,
+        size_per_shard=size_per_shard,
+        out_dtype=out_dtype,
+        use_async=use_async,
+    )
+    cfg = _config_json(source, config)
+    if cfg is not None and txn.rank == 0:
+        txn.record(join(subdir, CONFIG_NAME), write_json(txn.path(join(subdir, CONFIG_NAME)), cfg))
+
+
+def optimizer_view(optimizer: Any, param_names: Any) -> Any:
+    if hasattr(optimizer, "sharded_state_dict") and hasattr(optimizer, "param_groups_state"):
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return TorchOptimizerAdapter(optimizer, unwrap(param_names))
+    raise TypeError(
+        f"cannot checkpoint optimizer {type(optimizer).__name__}: pass a torch Optimizer or an object with sharded_state_dict()/param_groups_state()"
+    )
+
+
+def write_optimizer(
+    txn: Transaction, subdir: str, optimizer: Any, param_names: Any, *, size_per_shard: float, use_async: bool
+) -> None:
+    view = optimizer_view(optimizer, param_names)
+    state = dict(view.sharded_state_dict())
+    write_sharded(
+        txn,
+        state,
+        subdir=subdir,
+        prefix="optimizer",
+        index_name=OPTIM_INDEX_NAME,
+        size_per_shard=size_per_shard,
+        out_dtype=lambda n, d: torch.float32 if d.is_floating_point else d,
+        use_async=use_async,
+    )
+    if txn.rank == 0:
+        scalars = view.scalar_state() if hasattr(view, "scalar_state") else {}
+        write_json_tensors(
+            txn,
+            join(subdir, PARAM_GROUPS_NAME.removesuffix(".json")),
+            {"param_groups": view.param_groups_state(), "scalar_state": scalars},
+        )
+
+
+def save_model(
+    source: Any,
+    path: str | Path,
+    *,
+    size_per_shard: float = 1024,
+    use_async: bool = False,
+    config: Any = None,
+    dtype: torch.dtype | None = None,
+    group: Any = None,
+) -> None:
+    """Save a model as a Hugging Face-loadable directory of safetensors shards, from any layout.
+
+    Args:
+        source: an ``nn.Module`` (its state dict; DDP/compile wrappers are unwrapped), a dict of full tensors,
+            or an object with ``sharded_state_dict()`` (the state protocol; fp32 masters when it has them).
+        path: the directory to create; replaced atomically if it exists.
+        size_per_shard: the largest shard file, in MB (a bigger tensor gets a file of its own).
+        use_async: copy to host buffers, then write in a background thread; ``wait()`` (or the next save, or
+            exit) blocks until it is committed.
+        config: written as ``config.json``: a dict or an object with ``to_dict()`` (default: ``source.config``).
+        dtype: store floating tensors in this dtype (e.g. ``torch.bfloat16``); default: as they are.
+        group: the process group whose ranks share the work (default: the world; no group is fine).
+
+    Every rank of ``group`` must call it. Files are ``model-0000i-of-0000N.safetensors`` with
+    ``model.safetensors.index.json`` and a ``manifest.json`` of checksums; tied weights are stored once.
+
+    Example::
+
+        cai.ckpt.save_model(model, "out/model", config=model.config, dtype=torch.bfloat16)
+        AutoModelForCausalLM.from_pretrained("out/model")
+    """
+    wait()
+    txn = Transaction(Path(path), group=group, info={"kind": "model"})
+    write_model(
+        txn, "", source, size_per_shard=size_per_shard, dtype=dtype, config=config, use_async=use_async
+    )
+    finish(txn, use_async=use_async)
+
+
+def save_optimizer(
+    optimizer: Any,
+    path: str | Path,
+    *,
+    model: Any = None,
+    param_names: Any = None,
+    size_per_shard: float = 1024,
+    use_async: bool = False,
+    group: Any = None,
+) -> None:
+    """Save optimizer state by parameter name (``<name>.exp_avg`` ... in fp32) plus ``param_groups.json``.
+
+    ``optimizer`` is a sharded optimizer (state protocol) or a plain torch optimizer, whose parameters are named
+    by ``model`` (``named_parameters``) or ``param_names`` (a list in optimizer order, or a dict param -> name).
+    """
+    wait()
+    txn = Transaction(Path(path), group=group, info={"kind": "optimizer"})
+    write_optimizer(
+        txn,
+        "",
+        optimizer,
+        model if model is not None else param_names,
+        size_per_shard=size_per_shard,
+        use_async=use_async,
+    )
+    finish(txn, use_async=use_async)
+
+
+def prepare_model_load(target: Any, path: Path, *, strict: bool, verify: bool) -> Callable[[], None]:
+    """Check everything about loading ``path`` into ``target``; returns the function that loads it."""
+    target = unwrap(target)
+    reader = CheckpointReader(path, index_name=MODEL_INDEX_NAME, single_name=MODEL_SINGLE_NAME, verify=verify)
+    if hasattr(target, "load_sharded_state_dict"):
+        expected = {k: s.spec.global_shape for k, s in target.sharded_state_dict().items()}
+        reader.check(expected, strict=strict)
+
+        def apply() -> None:
+            with reader:
+                target.load_sharded_state_dict(reader.read)
+
+        return apply
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"cannot load a model checkpoint into {type(target).__name__}")
+    sd = target.state_dict()
+    tied = set(local_metadata(full_state(sd))["aliases"])  # stored once; loading the other name fills it
+    reader.check({k: tuple(v.shape) for k, v in sd.items()}, strict=strict, optional=tied)
+    stored = reader.names()
+    for k in sd:
+        if k in stored:
+            reader.header(k)  # every file's header is validated before anything is copied
+
+    def apply() -> None:
+        with reader, torch.no_grad():
+            for k, v in sd.items():
+                if k in stored:
+                    v.copy_(reader.read(k, ShardSpec.full(v.shape), v.dtype))
+
+    return apply
+
+
+def load_model(target: Any, path: str | Path, *, strict: bool = True, verify: bool = False) -> None:
+    """Load a model checkpoint (cai's or a Hugging Face safetensors directory) into ``target``, any layout.
+
+    Args:
+        target: an ``nn.Module`` or an object with ``sharded_state_dict()``/``load_sharded_state_dict(read)``;
+            each rank reads only the slices its layout needs.
+        strict: missing or unexpected keys raise ``CheckpointError`` listing them (tied weights stored once are fine).
+        verify: check every file's CRC32 against the manifest first.
+
+    Shapes are checked, each damaged file is named, and tensors are converted to the target's dtype.
+    Nothing is copied until every check has passed.
+    """
+    wait()
+    prepare_model_load(target, Path(path), strict=strict, verify=verify)()
+
+
+def prepare_optimizer_load(
+    optimizer: Any, path: Path, param_names: Any, *, strict: bool, verify: bool
+) -> Callable[[], None]:
+    reader = CheckpointReader(path, index_name=OPTIM_INDEX_NAME, single_name=None, verify=verify)
+    groups_doc = read_json_tensors(path / PARAM_GROUPS_NAME.removesuffix(".json"), reader._check_file)
+    view = optimizer_view(optimizer, param_names)
+    if not isinstance(view, TorchOptimizerAdapter):
+        expected = {k: s.spec.global_shape for k, s in view.sharded_state_dict().items()}
+        reader.check(expected, strict=strict)
+
+        def apply_sharded() -> None:
+            with reader:
+                view.load_sharded_state_dict(reader.read)
+            view.load_param_groups_state(groups_doc["param_groups"])
+
+        return apply_sharded
+    names = set(view.names.values())
+    saved = {n for g in groups_doc["param_groups"] for n in g["params"]}
+    missing, unexpected = names - saved, saved - names
+    foreign = sorted(k for k in reader.weight_map if k.rsplit(".", 1)[0] not in names)
+    if missing or unexpected or foreign:
+        raise CheckpointError(
+            f"optimizer checkpoint {path} does not match the optimizer: parameters missing from the checkpoint "
+            f"{sorted(missing)[:20]}, unexpected parameters {sorted(unexpected)[:20]}, state of unknown parameters {foreign[:20]}"
+        )
+    for k in reader.weight_map:
+        reader.header(k)
+
+    def apply() -> None:
+        with reader:
+            tensors = {
+                k: reader.read(k, ShardSpec.full(reader.header(k)["shape"])) for k in reader.weight_map
+            }
+        view.load(groups_doc["param_groups"], tensors, groups_doc.get("scalar_state") or {})
+
+    return apply
+
+
+def load_optimizer(
+    optimizer: Any,
+    path: str | Path,
+    *,
+    model: Any = None,
+    param_names: Any = None,
+    strict: bool = True,
+    verify: bool = False,
+) -> None:
+    """Load optimizer state saved by ``save_optimizer`` under any layout (see ``load_model`` for the checks)."""
+    wait()
+    prepare_optimizer_load(
+        optimizer, Path(path), model if model is not None else param_names, strict=strict, verify=verify
+    )()

@@ -1,0 +1,173 @@
+"""Reading named tensors back, each rank only the slices its current layout needs.
+
+Everything that can be checked without reading tensor data is checked before the first tensor is copied
+(keys, shapes, every needed file's presence, size and header, optionally its checksum), so a bad checkpoint
+raises without leaving the model or optimizer half-loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from cai.ckpt._format import (
+    MANIFEST_NAME,
+    CheckpointError,
+    dtype_from_name,
+    file_crc32,
+    read_header,
+    read_json,
+)
+from cai.mesh import ShardSpec
+
+
+def _fmt(names: Any, limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def find_manifest(path: Path) -> dict | None:
+    """The manifest of the checkpoint directory that holds ``path`` (itself or its parent), if any."""
+    for d in (path, path.parent):
+        if (d / MANIFEST_NAME).exists():
+            return {"root": d, **read_json(d / MANIFEST_NAME)}
+    return None
+
+
+class CheckpointReader:
+    """Read tensors by name from ``directory`` (an index plus shard files, or a single safetensors file)."""
+
+    def __init__(self, directory: Path, *, index_name: str, single_name: str | None, verify: bool):
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        self.verify = verify
+        self.manifest = find_manifest(self.dir)
+        index_path = self.dir / index_name
+        self.aliases: dict[str, str] = {}
+        if index_path.exists():
+            self._check_file(index_path)
+            index = read_json(index_path)
+            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+                raise CheckpointError(f"{index_path} has no 'weight_map': not a safetensors index")
+            self.weight_map: dict[str, str] = index["weight_map"]
+            self.aliases = dict((index.get("metadata") or {}).get("aliases") or {})
+        elif single_name and (self.dir / single_name).exists():
+            self.weight_map = dict.fromkeys(read_header(self.dir / single_name), single_name)
+        else:
+            found = sorted(p.name for p in self.dir.iterdir())
+            pickles = [n for n in found if n.endswith((".bin", ".pt", ".pth", ".pkl"))]
+            hint = f"; {_fmt(pickles)} are pickle files, which cai-ckpt never loads" if pickles else ""
+            raise CheckpointError(
+                f"{self.dir} holds no {index_name}{' or ' + single_name if single_name else ''} (found: {_fmt(found) or 'nothing'}){hint}"
+            )
+        self._headers: dict[str, dict] = {}
+        self._handles: dict[str, Any] = {}
+
+    # ---- names -------------------------------------------------------------------------------------------
+    def names(self) -> set[str]:
+        return set(self.weight_map) | set(self.aliases)
+
+    def resolve(self, name: str) -> str:
+        return self.aliases.get(name, name) if name not in self.weight_map else name
+
+    def header(self, name: str) -> dict[str, Any]:
+        name = self.resolve(name)
+        fname = self.weight_map[name]
+        if fname not in self._headers:
+            path = self.dir / fname
+            self._check_file(path)
+            self._headers[fname] = read_header(path)
+        header = self._headers[fname]
+        if name not in header:
+            raise CheckpointError(
+                f"{self.dir / fname} does not contain {name!r}, which the index places there: the file belongs to "
+                f"another checkpoint (it holds {_fmt(header, 5)})"
+            )
+        return header[name]
+
+    def _check_file(self, path: Path) -> None:
+        if not path.exists():
+            raise CheckpointError(f"missing checkpoint file {path}")
+        if self.manifest is None:
+            return
+        rel = path.relative_to(self.manifest["root"]).as_posix()
+        entry = self.manifest["files"].get(rel)
+        if entry is None:
+            raise CheckpointError(
+                f"{path} is not listed in the manifest of {self.manifest['root']}: a foreign file"
+            )
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"{path} has {size} bytes, its manifest says {entry['bytes']}: the file is truncated or replaced"
+            )
+        if self.verify and file_crc32(path) != entry["crc32"]:
+            raise CheckpointError(f"{path} fails checksum verification: the file is corrupted")
+
+    # ---- validation --------------------------------------------------------------------------------------
+    def check(
+        self, expected: dict[str, tuple[int, ...]], *, strict: bool, optional: set[str] = frozenset()
+    ) -> None:
+        """Raise listing missing and unexpected keys (``optional`` names may be absent), then shape mismatches."""
+        have = self.names()
+        missing = set(expected) - have - set(optional)
+        unexpected = have - set(expected) if strict else set()
+        unexpected -= set(self.aliases)  # a tied name the target stores once is not an error
+        if missing or unexpected:
+            parts = [f"checkpoint {self.dir} does not match:"]
+            if missing:
+                parts.append(f"missing keys ({len(missing)}): {_fmt(missing)}")
+            if unexpected:
+                parts.append(f"unexpected keys ({len(unexpected)}): {_fmt(unexpected)}")
+            raise CheckpointError(" ".join(parts))
+        for name, shape in expected.items():
+            if name not in have:
+                continue
+            stored = tuple(self.header(name)["shape"])
+            if stored != tuple(shape):
+                raise CheckpointError(
+                    f"shape mismatch for {name!r}: checkpoint has {stored}, the current model needs {tuple(shape)}"
+                )
+
+    # ---- reading -----------------------------------------------------------------------------------------
+    def read(self, name: str, spec: ShardSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The local piece described by ``spec`` of tensor ``name``, in ``dtype`` (default: as stored)."""
+        info = self.header(name)
+        if tuple(info["shape"]) != spec.global_shape:
+            raise CheckpointError(
+                f"shape mismatch for {name!r}: checkpoint has {tuple(info['shape'])}, the reader asked for {spec.global_shape}"
+            )
+        real = self.resolve(name)
+        fname = self.weight_map[real]
+        handle = self._handles.get(fname)
+        if handle is None:
+            try:
+                handle = self._handles[fname] = safe_open(str(self.dir / fname), framework="pt")
+            except Exception as e:
+                raise CheckpointError(f"cannot open {self.dir / fname}: {e}") from None
+        try:
+            if not spec.global_shape or (spec.is_full and spec.flat_range is None):
+                region = handle.get_tensor(real)
+            else:
+                region = handle.get_slice(real)[spec.read_region()]
+        except Exception as e:
+            raise CheckpointError(f"cannot read {real!r} from {self.dir / fname}: {e}") from None
+        local = spec.cut_region(region)
+        want = dtype or dtype_from_name(info["dtype"])
+        return local.to(want) if local.dtype != want else local
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,132 @@
+"""Save planning: which tensors go to which file, which rank writes each file, which rank sends each piece.
+
+Every rank computes the same plan from the same gathered metadata, so no further agreement is needed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cai.ckpt._format import dtype_from_name, dtype_name, shard_file_name
+from cai.mesh import LocalShard, ShardSpec
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype  # as stored in the file
+    sources: list[tuple[int, ShardSpec]] = field(default_factory=list)  # (rank, spec): one per distinct piece
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.global_shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class FilePlan:
+    name: str
+    owner: int
+    tensors: list[TensorPlan]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def local_metadata(state: dict[str, LocalShard]) -> dict[str, Any]:
+    """What a rank publishes about its pieces: small and JSON-able. Also finds aliases (tied weights)."""
+    tensors = {}
+    seen: dict[tuple, str] = {}
+    aliases = {}
+    for name, (tensor, spec) in state.items():
+        if tuple(tensor.shape) != spec.local_shape:
+            raise ValueError(
+                f"{name}: local tensor shape {tuple(tensor.shape)} does not match its spec {spec.local_shape}"
+            )
+        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(), spec)
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]  # the same memory under two names: store it once
+            continue
+        seen[key] = name
+        tensors[name] = {"spec": spec.to_dict(), "dtype": dtype_name(tensor.dtype)}
+    return {"tensors": tensors, "aliases": aliases}
+
+
+def make_plan(
+    metas: list[dict[str, Any]],
+    *,
+    prefix: str,
+    size_per_shard_mb: float,
+    out_dtype: Any,
+) -> tuple[list[FilePlan], dict[str, str]]:
+    """Shard files balanced over ranks by bytes. ``out_dtype(name, dtype) -> dtype`` picks the stored dtype."""
+    world = len(metas)
+    tensors: dict[str, TensorPlan] = {}
+    holders: dict[str, dict[ShardSpec, list[int]]] = {}
+    for rank, meta in enumerate(metas):
+        for name, info in meta["tensors"].items():
+            spec = ShardSpec.from_dict(info["spec"])
+            t = tensors.get(name)
+            if t is None:
+                t = tensors[name] = TensorPlan(
+                    name, spec.global_shape, out_dtype(name, dtype_from_name(info["dtype"]))
+                )
+                holders[name] = {}
+            elif t.global_shape != spec.global_shape:
+                raise ValueError(
+                    f"{name}: ranks disagree on the global shape ({t.global_shape} vs {spec.global_shape})"
+                )
+            if spec.numel or not math.prod(spec.global_shape):
+                holders[name].setdefault(spec, []).append(rank)
+    aliases: dict[str, str] = {}
+    for meta in metas:
+        for alias, target in meta["aliases"].items():
+            if alias not in tensors:
+                aliases[alias] = target
+
+    # Pack tensors into files in state-dict order (a new file when the next tensor would overflow it).
+    limit = size_per_shard_mb * 1024 * 1024
+    groups: list[list[TensorPlan]] = [[]]
+    size = 0
+    for t in tensors.values():
+        if groups[-1] and size + t.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    if not groups[-1]:
+        groups.pop()
+    total = len(groups)
+
+    # Largest file first to the least loaded rank (LPT), ties broken by rank so every rank agrees.
+    load = [(0, r) for r in range(world)]
+    heapq.heapify(load)
+    owners = [0] * total
+    for i in sorted(range(total), key=lambda i: (-sum(t.nbytes for t in groups[i]), i)):
+        used, r = heapq.heappop(load)
+        owners[i] = r
+        heapq.heappush(load, (used + sum(t.nbytes for t in groups[i]), r))
+
+    files = []
+    for i, group in enumerate(groups):
+        owner = owners[i]
+        for t in group:
+            covered = 0
+            for n, (spec, ranks) in enumerate(holders[t.name].items()):
+                # The writer uses its own copy when it has one; replicas elsewhere are spread over holders.
+                src = owner if owner in ranks else ranks[(i + n) % len(ranks)]
+                t.sources.append((src, spec))
+                covered += spec.numel
+            if covered < math.prod(t.global_shape):
+                raise ValueError(
+                    f"{t.name}: the pieces reported by all ranks hold {covered} of {math.prod(t.global_shape)} elements "
+                    f"of shape {t.global_shape}; every element must be held by some rank"
+                )
+        files.append(FilePlan(shard_file_name(prefix, i + 1, total), owner, group))
+    return files, aliases

@@ -1,0 +1,125 @@
+"""Parallel writing of named, possibly sharded tensors as safetensors shard files plus an index."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cai.ckpt._format import SafetensorsWriter, dtype_from_name, write_json
+from cai.ckpt._plan import FilePlan, local_metadata, make_plan
+from cai.ckpt._txn import Transaction, global_rank
+from cai.mesh import LocalShard, ShardSpec
+
+# Host buffers of asynchronous saves, reused from one save to the next (pinned when CUDA is present).
+_host_buffers: dict[tuple, torch.Tensor] = {}
+
+
+def _host_copy(key: tuple, t: torch.Tensor) -> torch.Tensor:
+    buf = _host_buffers.get(key)
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        _host_buffers[key] = buf
+    buf.copy_(t, non_blocking=True)
+    return buf
+
+
+def join(subdir: str, name: str) -> str:
+    return f"{subdir}/{name}" if subdir else name
+
+
+def full_state(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShard]:
+    """Adapt a plain dict of full tensors to the sharded protocol (every piece is the whole tensor)."""
+    return {k: LocalShard(v.detach(), ShardSpec.full(v.shape)) for k, v in tensors.items()}
+
+
+def write_sharded(
+    txn: Transaction,
+    state: dict[str, LocalShard],
+    *,
+    subdir: str,
+    prefix: str,
+    index_name: str,
+    size_per_shard: float,
+    out_dtype: Callable[[str, torch.dtype], torch.dtype],
+    use_async: bool,
+) -> None:
+    """Write ``state`` (pieces of global tensors, by name) as full tensors into ``txn``'s ``subdir``.
+
+    Every rank calls this with its own pieces. Shard files are balanced over ranks by bytes; the rank that
+    owns a file receives the pieces it lacks (``dist.isend``/``dist.recv``, in one global order so that no
+    rank waits on a rank that waits on it) and assembles one tensor at a time, so a rank holds at most one
+    tensor beyond its own state (plus, for an asynchronous save, the files it writes in host buffers).
+    """
+    group, rank, world = txn.group, txn.rank, txn.world
+    meta = local_metadata(state)
+    metas = [meta]
+    if world > 1:
+        metas = [None] * world
+        dist.all_gather_object(metas, meta, group=group)
+    files, aliases = make_plan(metas, prefix=prefix, size_per_shard_mb=size_per_shard, out_dtype=out_dtype)
+    comm_device = torch.device("cpu")
+    if world > 1 and dist.get_backend(group) == "nccl":
+        comm_device = torch.device("cuda", torch.cuda.current_device())
+
+    # Post every send first: sends never block, so receives in plan order cannot deadlock.
+    sends = []
+    for f in files:
+        if f.owner == rank:
+            continue
+        for t in f.tensors:
+            for src, spec in t.sources:
+                if src == rank and spec.numel:
+                    piece = state[t.name].tensor.detach().to(comm_device).contiguous()
+                    sends.append((dist.isend(piece, dst=global_rank(group, f.owner), group=group), piece))
+
+    mine = [f for f in files if f.owner == rank]
+    for f in mine:
+        tensors = ((t.name, _assemble(t, state, metas, rank, group, comm_device)) for t in f.tensors)
+        if use_async:
+            snapshot = [(n, _host_copy((subdir, n), x)) for n, x in tensors]
+            txn.jobs.append(lambda f=f, snapshot=snapshot: _write_file(txn, subdir, f, snapshot))
+        else:
+            _write_file(txn, subdir, f, tensors)
+    if use_async and torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non_blocking device-to-host copies must land before the writer reads them
+    for work, _ in sends:
+        work.wait()
+
+    if rank == 0:
+        index = {
+            "metadata": {
+                "total_size": sum(f.nbytes for f in files),
+                "format": "cai-ckpt",
+                "aliases": aliases,
+            },
+            "weight_map": {t.name: f.name for f in files for t in f.tensors},
+        }
+        txn.record(join(subdir, index_name), write_json(txn.path(join(subdir, index_name)), index))
+
+
+def _assemble(t, state, metas, rank, group, comm_device) -> torch.Tensor:
+    if len(t.sources) == 1 and t.sources[0][0] == rank and t.sources[0][1].is_full:
+        return state[t.name].tensor.detach().to(device="cpu", dtype=t.dtype)
+    out = torch.empty(t.global_shape, dtype=t.dtype)
+    for src, spec in t.sources:
+        if not spec.numel:
+            continue
+        if src == rank:
+            piece = state[t.name].tensor.detach()
+        else:
+            dtype = dtype_from_name(metas[src]["tensors"][t.name]["dtype"])
+            piece = torch.empty(spec.local_shape, dtype=dtype, device=comm_device)
+            dist.recv(piece, src=global_rank(group, src), group=group)
+        spec.place(piece.cpu(), out)
+    return out
+
+
+def _write_file(txn: Transaction, subdir: str, f: FilePlan, tensors: Any) -> None:
+    entries = [(t.name, t.dtype, t.global_shape) for t in f.tensors]
+    writer = SafetensorsWriter(txn.path(join(subdir, f.name)), entries, {"format": "pt"})
+    for name, tensor in tensors:
+        writer.write(name, tensor)
+    txn.record(join(subdir, f.name), writer.close())

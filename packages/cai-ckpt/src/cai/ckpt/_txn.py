@@ -1,0 +1,184 @@
+"""Atomic checkpoint directories and asynchronous saves.
+
+[Note: commit protocol]
+Every rank writes its files into ``<parent>/.tmp-<name>-<token>/`` and then a marker ``rank-NNNNN.done.json``
+listing the files it wrote with their sizes and CRC32. Rank 0 waits for all markers, writes ``manifest.json``
+(every file's checksum and the layout it was saved from), renames the directory to ``<parent>/<name>`` and only
+then updates ``<parent>/latest``. A process killed at any point leaves either the previous checkpoint or the
+new one complete, never a half-written directory under a real name; readers ignore ``.tmp-*`` directories.
+Markers go through the (shared) file system rather than a collective so that the commit can run in the
+background thread of an asynchronous save without racing the training loop's collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from cai.ckpt._format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    read_json,
+    write_json,
+)
+
+_COMMIT_TIMEOUT_S = float(os.environ.get("CAI_CKPT_COMMIT_TIMEOUT", "1800"))
+
+
+def dist_info(group: Any = None) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) without an initialised process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def global_rank(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+class Transaction:
+    """One checkpoint directory being written by all ranks of ``group`` (see [Note: commit protocol])."""
+
+    def __init__(
+        self, final: Path, *, group: Any = None, update_latest: bool = False, info: dict | None = None
+    ):
+        self.final = Path(final)
+        self.group = group
+        self.rank, self.world = dist_info(group)
+        self.update_latest = update_latest
+        self.info = dict(info or {})
+        self.layout: dict[str, Any] = {"world_size": self.world}
+        self.files: dict[str, dict[str, int]] = {}
+        self.jobs: list[Callable[[], None]] = []
+        token = [secrets.token_hex(4) if self.rank == 0 else None]
+        if self.rank == 0:
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = self.final.parent / f"{TMP_PREFIX}{self.final.name}-{token[0]}"
+            self.tmp.mkdir()
+        if self.world > 1:
+            dist.broadcast_object_list(token, src=global_rank(group, 0), group=group)
+        self.tmp = self.final.parent / f"{TMP_PREFIX}{self.final.name}-{token[0]}"
+
+    def path(self, rel: str) -> Path:
+        p = self.tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def record(self, rel: str, entry: dict[str, int]) -> None:
+        self.files[rel] = entry
+
+    def run(self) -> None:
+        """Run the queued writes, publish this rank's marker, and (rank 0) commit."""
+        for job in self.jobs:
+            job()
+        self.jobs.clear()
+        write_json(self.tmp / f"rank-{self.rank:05d}.done.json", {"files": self.files})
+        if self.rank == 0:
+            self._commit()
+
+    def _commit(self) -> None:
+        files: dict[str, dict[str, int]] = {}
+        deadline = time.monotonic() + _COMMIT_TIMEOUT_S
+        for r in range(self.world):
+            marker = self.tmp / f"rank-{r:05d}.done.json"
+            while not marker.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"checkpoint {self.final}: rank {r} did not finish writing in {_COMMIT_TIMEOUT_S} s"
+                    )
+                time.sleep(0.005)
+            files.update(read_json(marker)["files"])
+            marker.unlink()
+        manifest = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "layout": self.layout,
+            **self.info,
+            "files": dict(sorted(files.items())),
+        }
+        write_json(self.tmp / MANIFEST_NAME, manifest)
+        old = None
+        if self.final.exists():
+            old = self.final.parent / f"{TMP_PREFIX}{self.final.name}-{secrets.token_hex(4)}-old"
+            os.replace(self.final, old)
+        os.replace(self.tmp, self.final)
+        if self.update_latest:
+            latest = self.final.parent / LATEST_NAME
+            partial = latest.with_name(LATEST_NAME + ".partial")
+            partial.write_text(self.final.name + "\n")
+            os.replace(partial, latest)
+        # Leftovers of earlier attempts that were killed mid-save, and the replaced directory.
+        for stale in self.final.parent.glob(f"{TMP_PREFIX}{self.final.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.group)
+
+
+class _Pending:
+    def __init__(self, txn: Transaction):
+        self.txn = txn
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._main, name=f"cai-ckpt-save-{txn.final.name}", daemon=False
+        )
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            self.txn.run()
+        except BaseException as e:  # re-raised in wait()
+            self.error = e
+
+
+_pending: list[_Pending] = []
+_lock = threading.Lock()
+
+
+def finish(txn: Transaction, *, use_async: bool) -> None:
+    """Write (now, or in a background thread) and commit ``txn``."""
+    if use_async:
+        with _lock:
+            _pending.append(_Pending(txn))
+        return
+    txn.run()
+    txn.barrier()
+
+
+def wait(*, barrier: bool = True) -> None:
+    """Block until every asynchronous save of this process is written and committed; re-raise its error.
+
+    Call it on every rank (it ends with a barrier so that the checkpoint is committed everywhere when it
+    returns). Every save calls it first, and it runs at interpreter exit (without the barrier).
+    """
+    with _lock:
+        pending = list(_pending)
+        _pending.clear()
+    errors = []
+    for p in pending:
+        p.thread.join()
+        if p.error is not None:
+            errors.append(p.error)
+    if barrier:
+        for p in pending:
+            if dist.is_available() and dist.is_initialized():
+                p.txn.barrier()
+    if errors:
+        raise RuntimeError(f"asynchronous checkpoint save failed: {errors[0]!r}") from errors[0]
+
+
+atexit.register(wait, barrier=False)
