@@ -1,0 +1,112 @@
+"""Rotary position embedding for q and k together, in the Hugging Face Llama/Qwen/Mistral layout."""
+
+from __future__ import annotations
+
+import torch
+
+from cai.kernels._dispatch import use_triton
+
+
+def _launch(q, k, cos, sin, backward):
+    """q: (B, Hq, T, D), k: (B, Hk, T, D) (any strides), cos/sin: (B, T, R) (any strides, R <= D, R even)."""
+    import triton
+
+    from cai.kernels._rope_triton import rope
+
+    bsz, hq, t, d = q.shape
+    hk = k.shape[1]
+    r = cos.shape[-1]
+    qo = torch.empty_like(q)
+    ko = torch.empty_like(k)
+    half, pas = r // 2, d - r
+    rope[(bsz * t,)](
+        q, k, qo, ko, cos, sin, t, hq, hk, half, pas,
+        *q.stride(), *k.stride(), *qo.stride(), *ko.stride(), *cos.stride(),
+        BACKWARD=backward, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(pas) if pas else 0,
+        num_warps=4,
+    )  # fmt: skip
+    return qo, ko
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _launch(q, k, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        dq, dk = _launch(dq, dk, cos, sin, backward=True)
+        return dq, dk, None, None
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _torch_rope(q, k, cos, sin):
+    # q: (B, Hq, T, D); cos: (B, T, R) -> broadcast over heads.
+    r = cos.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    c, s = cos.unsqueeze(1).to(acc), sin.unsqueeze(1).to(acc)
+    out = []
+    for x in (q, k):
+        xr, xp = x[..., :r].to(acc), x[..., r:]
+        y = (xr * c + _rotate_half(xr) * s).to(x.dtype)
+        out.append(torch.cat((y, xp), dim=-1) if xp.shape[-1] else y)
+    return tuple(out)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by the rotary embedding (`x * cos + rotate_half(x) * sin`), the Hugging Face convention.
+
+    Same signature and semantics as `transformers.models.llama.modeling_llama.apply_rotary_pos_emb`, so it can
+    stand in for it.
+
+    Args:
+        q: `(B, Hq, T, D)` when `unsqueeze_dim=1` (HF attention layout) or `(B, T, Hq, D)` when `unsqueeze_dim=2`.
+        k: same layout with `Hk` heads (grouped-query attention is fine).
+        cos, sin: `(B, T, R)` or `(T, R)` per-position values (what HF's rotary embedding module returns), or,
+            when `position_ids` is given, tables `(max_positions, R)` indexed by it. `R <= D` and even: with
+            `R < D` (partial rotary) the first `R` dims are rotated and the rest pass through unchanged.
+        position_ids: optional `(B, T)` integer positions used to index `cos`/`sin` tables.
+        unsqueeze_dim: 1 or 2, which dim of q/k holds the heads (HF's meaning).
+
+    Returns:
+        `(q_rotated, k_rotated)` in q's and k's layout and dtype; math in fp32. No gradient flows to cos/sin.
+    """
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(f"unsqueeze_dim={unsqueeze_dim}; it must be 1 (B, H, T, D) or 2 (B, T, H, D)")
+    if position_ids is not None:
+        if cos.dim() != 2:
+            raise ValueError(f"with position_ids, cos/sin must be (max_positions, R) tables, got {tuple(cos.shape)}")
+        cos, sin = cos[position_ids], sin[position_ids]  # (B, T, R)
+    if unsqueeze_dim == 2:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    bsz, _, t, d = q.shape
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    r = cos.shape[-1]
+    if r % 2 or r > d or cos.shape[-2] != t or sin.shape != cos.shape:
+        raise ValueError(
+            f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit q {tuple(q.shape)}: need (B or 1, T={t}, R) "
+            f"with R even and R <= head dim {d}"
+        )
+    cos, sin = cos.expand(bsz, t, r), sin.expand(bsz, t, r)
+    if q.numel() > 0 and use_triton(q):
+        qo, ko = _RopeFunction.apply(q, k, cos, sin)
+    else:
+        qo, ko = _torch_rope(q, k, cos, sin)
+    if unsqueeze_dim == 2:
+        qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
+    return qo, ko

@@ -1,0 +1,112 @@
+"""SwiGLU: `silu(gate) * up`, forward and backward in one elementwise pass each, and an MLP module."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cai.kernels._dispatch import use_triton
+
+_BLOCK = 4096  # elements per program: wide enough to stream at copy bandwidth, small enough for registers
+
+
+@functools.cache
+def _kernels():
+    # Defined on first use so that Triton (and TRITON_INTERPRET) are only looked at when a kernel runs.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fwd(A, B, C, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        c = a * tl.sigmoid(a) * b
+        tl.store(C + offs, c.to(C.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def bwd(A, B, DC, DA, DB, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        dc = tl.load(DC + offs, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(a)
+        silu = a * sig
+        # d silu(a) / da = sig * (1 + a * (1 - sig)); silu is recomputed rather than stored.
+        da = dc * b * sig * (1.0 + a * (1.0 - sig))
+        tl.store(DA + offs, da.to(DA.dtype.element_ty), mask=mask)
+        tl.store(DB + offs, (dc * silu).to(DB.dtype.element_ty), mask=mask)
+
+    return fwd, bwd
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        import triton
+
+        fwd, _ = _kernels()
+        a, b = gate.contiguous(), up.contiguous()
+        c = torch.empty_like(a)
+        n = a.numel()
+        fwd[(triton.cdiv(n, _BLOCK),)](a, b, c, n, BLOCK=_BLOCK, num_warps=8)
+        ctx.save_for_backward(a, b)
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        import triton
+
+        _, bwd = _kernels()
+        a, b = ctx.saved_tensors
+        dc = dc.contiguous()
+        da, db = torch.empty_like(a), torch.empty_like(b)
+        n = a.numel()
+        bwd[(triton.cdiv(n, _BLOCK),)](a, b, dc, da, db, n, BLOCK=_BLOCK, num_warps=8)
+        return da, db
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` computed in fp32 and stored in the inputs' dtype.
+
+    Args:
+        gate, up: tensors of the same shape and dtype (fp32, bf16 or fp16).
+
+    Returns:
+        A tensor shaped like `gate`. The backward recomputes silu from the saved inputs (no extra activation).
+    """
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(
+            f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match in shape and dtype"
+        )
+    if gate.numel() > 0 and use_triton(gate):
+        return _SwiGLUFunction.apply(gate, up)
+    acc = torch.promote_types(gate.dtype, torch.float32)
+    return (F.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)
+
+
+class SwiGLUMLP(nn.Module):
+    """`down_proj(swiglu(gate_proj(x), up_proj(x)))`, the Llama/Qwen/Mistral MLP.
+
+    Attributes `gate_proj`, `up_proj`, `down_proj` are plain `nn.Linear` modules, so parameter names and state
+    dicts match Hugging Face's `LlamaMLP`. Build one around an existing MLP with :meth:`from_mlp` (the
+    Linear modules are taken over, not copied).
+    """
+
+    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear) -> None:
+        super().__init__()
+        self.gate_proj = gate_proj
+        self.up_proj = up_proj
+        self.down_proj = down_proj
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module) -> SwiGLUMLP:
+        return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
