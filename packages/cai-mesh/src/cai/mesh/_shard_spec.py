@@ -55,7 +55,11 @@ class ShardSpec:
     def __post_init__(self) -> None:
         gs = _tuple(self.global_shape)
         offsets = _tuple(self.offsets) if self.offsets is not None else (0,) * len(gs)
-        block = _tuple(self.block_shape) if self.block_shape is not None else tuple(g - o for g, o in zip(gs, offsets))
+        block = (
+            _tuple(self.block_shape)
+            if self.block_shape is not None
+            else tuple(g - o for g, o in zip(gs, offsets))
+        )
         object.__setattr__(self, "global_shape", gs)
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "block_shape", block)
@@ -97,7 +101,9 @@ class ShardSpec:
         shape = _tuple(shape)
         dim = dim % len(shape)
         if shape[dim] % parts:
-            raise ValueError(f"ShardSpec.block: size {shape[dim]} of dim {dim} of {shape} is not divisible by {parts}")
+            raise ValueError(
+                f"ShardSpec.block: size {shape[dim]} of dim {dim} of {shape} is not divisible by {parts}"
+            )
         if not 0 <= index < parts:
             raise ValueError(f"ShardSpec.block: index {index} must be in [0, {parts})")
         size = shape[dim] // parts
@@ -192,7 +198,9 @@ class ShardSpec:
         """Write ``local`` (padding dropped) into its place in the global tensor ``into``; returns ``into``."""
         self._check_global(into)
         if tuple(local.shape) != self.local_shape:
-            raise ValueError(f"ShardSpec.place: local shape {tuple(local.shape)} != expected {self.local_shape}")
+            raise ValueError(
+                f"ShardSpec.place: local shape {tuple(local.shape)} != expected {self.local_shape}"
+            )
         block = into[self.block_slices()]
         if self.flat_range is None:
             block.copy_(local)
@@ -209,7 +217,9 @@ class ShardSpec:
 
     def _check_global(self, t: torch.Tensor) -> None:
         if tuple(t.shape) != self.global_shape:
-            raise ValueError(f"ShardSpec: tensor of shape {tuple(t.shape)} is not the global shape {self.global_shape}")
+            raise ValueError(
+                f"ShardSpec: tensor of shape {tuple(t.shape)} is not the global shape {self.global_shape}"
+            )
 
     # ---- serialisation ------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -248,10 +258,14 @@ def assemble(pieces: list[LocalShard], *, dtype: torch.dtype | None = None) -> t
     covered = torch.zeros(spec0.global_shape, dtype=torch.bool)
     for tensor, spec in pieces:
         if spec.global_shape != spec0.global_shape:
-            raise ValueError(f"assemble: pieces disagree on the global shape: {spec.global_shape} vs {spec0.global_shape}")
+            raise ValueError(
+                f"assemble: pieces disagree on the global shape: {spec.global_shape} vs {spec0.global_shape}"
+            )
         spec.place(tensor.detach().to(device="cpu", dtype=out.dtype), out)
         spec.place(torch.ones(spec.local_shape, dtype=torch.bool), covered)
     if not bool(covered.all()):
         missing = int((~covered).sum())
-        raise ValueError(f"assemble: pieces leave {missing} of {covered.numel()} elements of {spec0.global_shape} uncovered")
+        raise ValueError(
+            f"assemble: pieces leave {missing} of {covered.numel()} elements of {spec0.global_shape} uncovered"
+        )
     return out

@@ -1,0 +1,297 @@
+"""A pool of gloo worker processes kept alive for the whole test session.
+
+Spawning a fresh process costs about 2 s on a small CPU machine (torch import, gloo set-up), which would make a
+matrix of distributed tests unaffordable. The pool starts ``world_size`` workers once per world size and sends
+each test function to them; every call gets a fresh default process group (its own rendezvous prefix) and freshly seeded RNGs.
+
+[Note: test functions travel by reference]
+Only the function's module name, file and qualified name are sent. A worker imports the module from its file
+under the same name (creating empty parent modules where pytest's importlib mode invented a dotted name), so
+that arguments whose classes live in the test module unpickle too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import io
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["DistributedTestError", "DistributedTestTimeout", "run_distributed", "shutdown_pools"]
+
+_GRACE_S = 5.0  # how long the other ranks may take to finish after one rank failed
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised; the message holds that rank's traceback and its captured output."""
+
+
+class DistributedTestTimeout(DistributedTestError):
+    """The ranks did not all finish within the timeout; the pool was killed and will be restarted."""
+
+
+@dataclass(frozen=True)
+class _Task:
+    module: str
+    file: str | None
+    qualname: str
+    args: tuple
+    kwargs: dict
+    key: str
+    seed: int
+    timeout: float
+
+
+def _import_by_reference(module: str, file: str | None) -> types.ModuleType:
+    if module in sys.modules:
+        return sys.modules[module]
+    if file is None:
+        return importlib.import_module(module)
+    parts = module.split(".")
+    for i in range(1, len(parts)):  # parents that pytest's importlib mode may have invented
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    spec = importlib.util.spec_from_file_location(module, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import test module {module!r} from {file!r}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[module] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[module]
+        raise
+    return mod
+
+
+def _resolve(task: _Task) -> Callable:
+    obj: Any = _import_by_reference(task.module, task.file)
+    for part in task.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _seed_all(seed: int) -> None:
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # many ranks share a few cores; oversubscription makes gloo tests crawl
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    # The parent hosts the store, so it is listening before any worker connects (no connect-retry back-off),
+    # and every task rendezvouses under its own key prefix: a fresh process group without a new server.
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=60))
+    while True:
+        task: _Task | None = tasks.get()
+        if task is None:
+            return
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                fn = _resolve(task)
+                store.set_timeout(timedelta(seconds=max(task.timeout, 1.0)))
+                dist.init_process_group(
+                    "gloo",
+                    store=dist.PrefixStore(task.key, store),
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timedelta(seconds=max(task.timeout, 1.0)),
+                )
+                try:
+                    _seed_all(task.seed)
+                    value = fn(*task.args, **task.kwargs)
+                except BaseException as e:
+                    e._cai_failed_at = time.time()  # before tearing down the group, which fails the peers too
+                    raise
+                finally:
+                    dist.destroy_process_group()
+            results.put(("ok", rank, value, "", 0.0))
+        except BaseException as e:
+            failed_at = getattr(e, "_cai_failed_at", time.time())
+            results.put(("err", rank, traceback.format_exc(), out.getvalue()[-4000:], failed_at))
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        import torch.distributed as dist
+
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+        self.results: mp.Queue = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(r, world_size, self.store.port, self.tasks[r], self.results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, task: _Task) -> list[Any]:
+        for q in self.tasks:
+            q.put(task)
+        values: dict[int, Any] = {}
+        errors: dict[int, tuple[str, str, float]] = {}
+        deadline = time.monotonic() + task.timeout
+        while len(values) + len(errors) < self.world_size:
+            now = time.monotonic()
+            if errors:
+                deadline = min(deadline, now + _GRACE_S)
+            try:
+                status, rank, payload, output, failed_at = self.results.get(
+                    timeout=max(0.05, min(1.0, deadline - now))
+                )
+            except queue.Empty:
+                if not self.alive() or time.monotonic() >= deadline:
+                    self.kill()
+                    missing = sorted(set(range(self.world_size)) - values.keys() - errors.keys())
+                    if errors:
+                        raise self._error(task, errors, missing) from None
+                    dead = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, -9)]
+                    why = (
+                        f"worker processes died: ranks {dead}"
+                        if dead
+                        else f"timed out after {task.timeout:.0f} s"
+                    )
+                    raise DistributedTestTimeout(
+                        f"{task.qualname} on {self.world_size} ranks {why}; ranks {missing} did not finish "
+                        "(a collective that not every rank joined, or a deadlock). The pool was restarted."
+                    ) from None
+                continue
+            if status == "ok":
+                values[rank] = payload
+            else:
+                errors[rank] = (payload, output, failed_at)
+        if errors:
+            raise self._error(task, errors, [])
+        return [values[r] for r in range(self.world_size)]
+
+    def _error(
+        self, task: _Task, errors: dict[int, tuple[str, str, float]], missing: list[int]
+    ) -> DistributedTestError:
+        rank = min(
+            errors, key=lambda r: errors[r][2]
+        )  # the first to fail; the others usually fail because of it
+        tb, output, _ = errors[rank]
+        lines = [
+            f"{task.qualname} failed on rank {rank} of {self.world_size} (failing ranks: {sorted(errors)})"
+        ]
+        if missing:
+            lines.append(f"ranks {missing} were still running and were killed")
+        lines.append(f"--- traceback of rank {rank} ---\n{tb}")
+        if output.strip():
+            lines.append(f"--- output of rank {rank} ---\n{output}")
+        return DistributedTestError("\n".join(lines))
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+    def close(self) -> None:
+        for q in self.tasks:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=2)
+        self.kill()
+
+
+_POOLS: dict[int, _Pool] = {}
+_TASK_IDS = itertools.count()
+
+
+def shutdown_pools() -> None:
+    """Stop every pooled worker (registered with atexit; tests rarely need to call it)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+atexit.register(shutdown_pools)
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, seed: int = 1234, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return each rank's result, by rank.
+
+    ``fn`` must be a module-level function (see [Note: test functions travel by reference]); arguments and
+    results must pickle. Each call gets a fresh default process group and RNGs seeded with ``seed`` on every
+    rank. A failing rank raises ``DistributedTestError`` with its traceback; ranks that do not finish within
+    ``timeout`` seconds raise ``DistributedTestTimeout`` and the pool is restarted for the next call.
+
+    Example::
+
+        def _allreduce(value):
+            t = torch.tensor([value + dist.get_rank()])
+            dist.all_reduce(t)
+            return t.item()
+
+        def test_allreduce():
+            assert run_distributed(_allreduce, 4, 1.0) == [10.0] * 4
+    """
+    if world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
+    module = sys.modules.get(fn.__module__)
+    task = _Task(
+        module=fn.__module__,
+        file=getattr(module, "__file__", None),
+        qualname=fn.__qualname__,
+        args=args,
+        kwargs=kwargs,
+        key=f"task{next(_TASK_IDS)}/",
+        seed=seed,
+        timeout=timeout,
+    )
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.run(task)
+    except DistributedTestError:
+        if not pool.alive():
+            _POOLS.pop(world_size, None)
+        raise

@@ -1,0 +1,150 @@
+"""The multi-process harness itself: results, failures, hangs, counting, reuse of the pool."""
+
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cai.mesh.testing import (
+    CollectiveCounter,
+    DistributedTestError,
+    DistributedTestTimeout,
+    TinyTransformer,
+    assert_close,
+    make_batch,
+    run_distributed,
+)
+
+
+@dataclass(frozen=True)
+class _Cfg:  # a typed configuration defined in the test module must travel to the workers
+    scale: float
+
+
+def _sum_ranks(cfg: _Cfg) -> tuple[float, int, int]:
+    t = torch.tensor([float(dist.get_rank())]) * cfg.scale
+    dist.all_reduce(t)
+    return t.item(), dist.get_world_size(), os.getpid()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_come_back_by_rank(world_size):
+    out = run_distributed(_sum_ranks, world_size, _Cfg(scale=2.0))
+    expected = 2.0 * sum(range(world_size))
+    assert [o[0] for o in out] == [expected] * world_size
+    assert all(o[1] == world_size for o in out)
+
+
+def test_pool_is_reused_between_calls():
+    first = {o[2] for o in run_distributed(_sum_ranks, 2, _Cfg(scale=1.0))}
+    second = {o[2] for o in run_distributed(_sum_ranks, 2, _Cfg(scale=1.0))}
+    assert first == second and os.getpid() not in first
+
+
+def _random_draw() -> float:
+    return torch.rand(1).item()
+
+
+def test_every_call_is_seeded_the_same():
+    a = run_distributed(_random_draw, 2)
+    b = run_distributed(_random_draw, 2)
+    assert a == b and a[0] == a[1]
+    assert run_distributed(_random_draw, 2, seed=7) != a
+
+
+def _fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        print("about to fail")
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 waits for a peer that never comes: the harness must not hang
+
+
+def test_failing_rank_is_reported_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_on_rank_one, 2, timeout=60)
+    msg = str(info.value)
+    assert "failed on rank 1 of 2" in msg
+    assert "ValueError: boom on purpose" in msg and "_fail_on_rank_one" in msg
+    assert "about to fail" in msg
+    assert time.monotonic() - start < 30
+    assert run_distributed(_sum_ranks, 2, _Cfg(scale=1.0))[0][0] == 1.0  # the pool recovers
+
+
+def _hang() -> None:
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def test_hung_test_times_out_and_pool_restarts():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestTimeout, match="timed out after 3 s"):
+        run_distributed(_hang, 2, timeout=3)
+    assert time.monotonic() - start < 20
+    assert run_distributed(_sum_ranks, 2, _Cfg(scale=1.0))[0][0] == 1.0
+
+
+def _count_collectives() -> dict:
+    sub = dist.new_group([0, 1])
+    with CollectiveCounter() as cc:
+        t = torch.ones(10)
+        dist.all_reduce(t)
+        out = torch.empty(40)
+        dist.all_gather_into_tensor(out, t)
+        shard = torch.empty(10)
+        dist.reduce_scatter_tensor(shard, torch.ones(20), group=sub) if dist.get_rank() < 2 else None
+    dist.all_reduce(t)  # outside the counter: not recorded
+    return {"summary": cc.summary(), "groups": sorted({e.group_ranks for e in cc.events})}
+
+
+def test_collective_counter_records_op_group_and_bytes():
+    out = run_distributed(_count_collectives, 4)
+    s0 = out[0]["summary"]
+    assert s0["all_reduce"] == (1, 40)
+    assert s0["all_gather_into_tensor"] == (1, 160)
+    assert s0["reduce_scatter_tensor"] == (1, 80)
+    assert out[0]["groups"] == [(0, 1), (0, 1, 2, 3)]
+    assert "reduce_scatter_tensor" not in out[3]["summary"]
+
+
+def test_tiny_transformer_is_deterministic_and_trains():
+    a, b = TinyTransformer(seed=3), TinyTransformer(seed=3)
+    assert_close(dict(a.named_parameters()), dict(b.named_parameters()), rtol=0)
+    ids, labels = make_batch(4, 16, 64, seed=0)
+    opt = torch.optim.SGD(a.parameters(), lr=0.5)
+    losses = []
+    for _ in range(10):
+        loss = TinyTransformer.loss(a(ids), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.8
+    tied = TinyTransformer(tie_embeddings=True)
+    assert tied.head.weight is tied.embed.weight
+
+
+def test_assert_close_names_the_mismatch():
+    assert_close({"w": torch.ones(3)}, {"w": torch.ones(3) * (1 + 1e-8)})
+    with pytest.raises(AssertionError, match=r"layer\.w: 1 of 3 elements differ.*worst at \(2,\)"):
+        assert_close(
+            {"layer": {"w": torch.tensor([1.0, 2.0, 3.5])}}, {"layer": {"w": torch.tensor([1.0, 2.0, 3.0])}}
+        )
+    with pytest.raises(AssertionError, match="missing keys"):
+        assert_close({}, {"a": torch.ones(1)})
+
+
+def _tiny_step(i: int) -> float:
+    t = torch.full((4,), float(i + dist.get_rank()))
+    dist.all_reduce(t)
+    dist.broadcast(t, src=0)
+    return t.sum().item()
+
+
+@pytest.mark.parametrize("i", range(50))
+def test_fifty_four_rank_tests(i):
+    assert run_distributed(_tiny_step, 4, i) == [4.0 * (4 * i + 6)] * 4
