@@ -1,0 +1,140 @@
+"""The training steps that benchmark.py times: cai through the Booster, and the peers of BENCHMARKS.md
+(plain PyTorch eager with fused AdamW, torch.compile, FSDP2 at world size 1) on the same model and batch.
+
+Each builder returns a ``Workload``: a zero-argument ``step()`` that runs one full training step (forward,
+backward, optimizer step, zero grad) and a ``close()`` that drops every reference so the next workload starts
+from free memory.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaForCausalLM
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LR = 1e-5  # small: random weights on random tokens must not diverge during the timed steps
+
+
+@dataclass(kw_only=True)
+class Workload:
+    name: str
+    step: Callable[[], None]
+    close: Callable[[], None]
+
+
+def build_model(config, device: torch.device, *, grad_ckpt: bool) -> LlamaForCausalLM:
+    """Random-weight fp32 model built directly on ``device`` (no host copy of an 8B model)."""
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    if grad_ckpt:
+        # Non-reentrant checkpointing works under FSDP2 and torch.compile as well as eager.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _adamw(params, device: torch.device) -> torch.optim.Optimizer:
+    # fused=True is torch's fastest AdamW on GPU; the CPU smoke run uses the default implementation.
+    return torch.optim.AdamW(params, lr=LR, fused=device.type == "cuda")
+
+
+def _autocast(device: torch.device, precision: str):
+    return torch.autocast(device.type, dtype=_DTYPES[precision], enabled=precision != "fp32")
+
+
+def eager(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, compile: bool = False) -> Workload:
+    """Plain PyTorch: fp32 master weights, ``torch.autocast`` compute in ``precision``, fused AdamW."""
+    device = batch.device
+    model = build_model(config, device, grad_ckpt=grad_ckpt)
+    optimizer = _adamw(model.parameters(), device)
+    forward = torch.compile(model) if compile else model
+    state = {"model": model, "forward": forward, "optimizer": optimizer}
+
+    def step() -> None:
+        with _autocast(device, precision):
+            loss = state["forward"](input_ids=batch, labels=batch).loss
+        loss.backward()
+        state["optimizer"].step()
+        state["optimizer"].zero_grad(set_to_none=True)
+
+    def close() -> None:
+        state.clear()
+        if compile:
+            torch._dynamo.reset()
+        release()
+
+    label = "torch.compile" if compile else "PyTorch eager"
+    mode = "fp32" if precision == "fp32" else f"{precision} autocast, fp32 master"
+    return Workload(name=f"{label} ({mode}, AdamW)", step=step, close=close)
+
+
+def fsdp2(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, cpu_offload: bool) -> Workload:
+    """FSDP2 ``fully_shard`` per decoder layer and at the root: ``precision`` compute, fp32 master and reduce."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    device = batch.device
+    model = build_model(config, device, grad_ckpt=grad_ckpt)
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    # With offload the parameters live on the host, where the fused CUDA kernel does not apply.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=device.type == "cuda" and not cpu_offload)
+    state = {"model": model, "optimizer": optimizer}
+
+    def step() -> None:
+        loss = state["model"](input_ids=batch, labels=batch).loss
+        loss.backward()
+        state["optimizer"].step()
+        state["optimizer"].zero_grad(set_to_none=True)
+
+    def close() -> None:
+        state.clear()
+        release()
+
+    offload = ", CPUOffloadPolicy" if cpu_offload else ""
+    return Workload(name=f"FSDP2 world 1 ({precision} compute, fp32 master{offload})", step=step, close=close)
+
+
+def cai(config, batch: torch.Tensor, *, choice, grad_ckpt: bool, kernels: bool) -> Workload:
+    """The model through ``Booster.boost`` with the plugin ``choice`` names and HybridAdam (Colossal-AI's
+    benchmark setup); ``kernels`` swaps in cai's fused kernels first."""
+    from _plugins import make_booster
+
+    from cai.kernels.optim import HybridAdam
+
+    device = batch.device
+    booster = make_booster(choice)
+    model = build_model(config, device, grad_ckpt=grad_ckpt)
+    if kernels:
+        from cai.kernels import patch_hf_model
+
+        patch_hf_model(model)
+    optimizer = HybridAdam(model.parameters(), lr=LR)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    state = {"booster": booster, "model": model, "optimizer": optimizer}
+
+    def step() -> None:
+        loss = state["model"](input_ids=batch, labels=batch).loss
+        state["booster"].backward(loss, state["optimizer"])
+        state["optimizer"].step()
+        state["optimizer"].zero_grad()
+
+    def close() -> None:
+        state.clear()
+        release()
+
+    extras = " + cai kernels" if kernels else ""
+    return Workload(name=f"cai {choice.label} ({choice.precision}){extras}", step=step, close=close)

@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""Training throughput of a Llama through cai's Booster, with Colossal-AI's benchmark flags, optionally against
+plain PyTorch eager, torch.compile and FSDP2 in the same process (``--compare``).
+
+Prints one markdown table: tokens/s per GPU, MFU (6N + 12 L h s over 989 TFLOP/s), Colossal-AI's two TFLOPS
+figures (Megatron-style with recomputation, and 2 (3 + ckpt) N per token), peak memory, and the ratio of each
+row's tokens/s to each peer's. Writes ``$OUT/benchmark_<config>_<plugin>.json`` when ``OUT`` is set.
+
+Examples::
+
+    python examples/benchmarks/benchmark.py -c 1b -p zero2 -b 8 -l 2048 --compare           # one H200
+    torchrun --nproc_per_node 1 examples/benchmarks/benchmark.py -c 8b -p zero2 -b 2 -g --compare --peers fsdp2
+    python examples/benchmarks/benchmark.py -c tiny -b 2 -l 64 -s 3 -i 1 --compare         # CPU smoke
+
+Random weights, random tokens (never all zeros), labels = inputs. ``-b`` is the batch per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _workloads
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the examples' shared helpers
+
+import torch
+import torch.distributed as dist
+from _launch import resolve_device, run
+from _models import PRESETS, preset_config
+from _perf import PEAK_FLOPS, ModelShape, Throughput, peak_memory_gib
+from _plugins import PLUGINS, PluginChoice
+
+PEERS = ("eager", "compile", "fsdp2")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-c", "--config", default="1b", help=f"preset ({', '.join(PRESETS)}) or a config path")
+    p.add_argument(
+        "-p",
+        "--plugin",
+        default="zero2",
+        choices=(*PLUGINS, "zero"),
+        help="zero means LowLevelZero with --zero's stage",
+    )
+    p.add_argument(
+        "--zero", type=int, choices=(1, 2), default=None, help="ZeRO stage for -p zero (default 2)"
+    )
+    p.add_argument("-b", "--batch-size", "--batch_size", type=int, default=8, help="batch per GPU")
+    p.add_argument("-s", "--steps", "--num_steps", type=int, default=10, help="timed steps")
+    p.add_argument("-i", "--warmup", "--ignore_steps", type=int, default=3, help="untimed steps first")
+    p.add_argument("-l", "--max-length", "--max_length", type=int, default=2048, help="sequence length")
+    p.add_argument(
+        "-g",
+        "--grad-checkpoint",
+        "--grad_checkpoint",
+        action="store_true",
+        help="activation checkpointing (all runs)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp16", "fp32"),
+        default="auto",
+        help="auto: bf16 on GPU, fp32 on CPU",
+    )
+    p.add_argument(
+        "--kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cai's fused kernels in the cai run (default on; peers never use them)",
+    )
+    p.add_argument("--cpu-offload", action="store_true", help="optimizer offload (zero1/zero2/fsdp)")
+    p.add_argument("--shard-param-frac", "--shard_param_frac", type=float, default=1.0, help="Gemini")
+    p.add_argument("--offload-optim-frac", "--offload_optim_frac", type=float, default=0.0, help="Gemini")
+    p.add_argument("--offload-param-frac", "--offload_param_frac", type=float, default=0.0, help="Gemini")
+    p.add_argument("--compare", action="store_true", help="also time the peers (world size 1 only)")
+    p.add_argument(
+        "--peers", default=",".join(PEERS), help=f"which peers --compare runs (from {','.join(PEERS)})"
+    )
+    p.add_argument("--no-cai", action="store_true", help="time the peers only")
+    p.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS / 1e12, help="MFU denominator per GPU")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    args = p.parse_args(argv)
+    if args.plugin == "zero":
+        args.plugin = f"zero{args.zero or 2}"
+    elif args.zero is not None and args.plugin not in ("zero1", "zero2"):
+        p.error(f"--zero {args.zero} goes with -p zero, not -p {args.plugin}")
+    args.peers = [x for x in args.peers.split(",") if x]
+    unknown = sorted(set(args.peers) - set(PEERS))
+    if unknown:
+        p.error(f"--peers {','.join(unknown)} unknown; choose from {','.join(PEERS)}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"-s {args.steps} must be >= 1 and -i {args.warmup} >= 0")
+    return args
+
+
+@dataclass(kw_only=True)
+class Row:
+    name: str
+    status: str = "ok"  # "ok", "OOM", or the error
+    tokens_per_s: float = 0.0  # per GPU
+    mfu: float = 0.0
+    tflops_megatron: float = 0.0
+    tflops_simple: float = 0.0
+    peak_gib: float = 0.0
+    step_s: float = 0.0  # median step time
+
+
+def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> float:
+    """Median seconds per step after ``warmup`` untimed steps (CUDA events on GPU)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)
+        ]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) / 1e3 for start, end in events]
+    else:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(build, *, args, shape: ModelShape, device: torch.device, label: str) -> Row:
+    """Build one workload, time it, free it. An OOM or error becomes a row rather than ending the run."""
+    import _workloads
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    row = Row(name=label)
+    workload = None
+    try:
+        workload = build()
+        row.name = workload.name
+        row.step_s = time_steps(workload.step, warmup=args.warmup, steps=args.steps, device=device)
+    except torch.OutOfMemoryError:
+        row.status = "OOM"
+    except Exception as exc:  # a failing configuration is reported in the table; the others still run
+        row.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        if dist.get_rank() == 0:
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        if workload is not None:
+            workload.close()
+        _workloads.release()
+    row.peak_gib = peak_memory_gib(device)  # on CPU: the process's peak resident set so far
+    if row.status == "ok":
+        perf = Throughput.measure(
+            shape,
+            tokens=args.batch_size * args.max_length,
+            seconds=row.step_s,
+            seq_len=args.max_length,
+            grad_ckpt=args.grad_checkpoint,
+            peak_flops=args.peak_tflops * 1e12,
+        )
+        row.tokens_per_s, row.mfu = perf.tokens_per_s, perf.mfu
+        row.tflops_megatron, row.tflops_simple = perf.tflops_megatron, perf.tflops_simple
+    return row
+
+
+def table(rows: list[Row], peers: list[Row]) -> str:
+    head = ["configuration", "tok/s/GPU", "MFU", "TFLOPS Megatron", "TFLOPS 2(3+c)N", "peak GiB"]
+    head += [f"vs {p.name.split(' (')[0]}" for p in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.status != "ok":
+            cells = [r.name, r.status, "", "", "", f"{r.peak_gib:.1f}" if r.peak_gib else ""] + [""] * len(
+                peers
+            )
+        else:
+            cells = [r.name, f"{r.tokens_per_s:,.0f}", f"{100 * r.mfu:.1f}%", f"{r.tflops_megatron:.1f}",
+                     f"{r.tflops_simple:.1f}", f"{r.peak_gib:.1f}"]  # fmt: skip
+            cells += [f"{r.tokens_per_s / p.tokens_per_s:.2f}x" if p.status == "ok" else "" for p in peers]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> None:
+    import _workloads
+
+    from cai.mesh import launch_from_torch
+
+    device = resolve_device(args.device)
+    launch_from_torch(seed=1234, verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    precision = args.precision if args.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    choice = PluginChoice(
+        name=args.plugin, precision=precision, cpu_offload=args.cpu_offload,
+        shard_param_frac=args.shard_param_frac, offload_optim_frac=args.offload_optim_frac,
+        offload_param_frac=args.offload_param_frac,
+    )  # fmt: skip
+    config = preset_config(args.config, max_seq=args.max_length)
+    with torch.device("meta"):
+        shape = ModelShape.of(_workloads.LlamaForCausalLM(config), config)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    batch = torch.randint(1, config.vocab_size, (args.batch_size, args.max_length), generator=gen).to(device)
+
+    peer_rows: list[Row] = []
+    if args.compare and world > 1 and rank == 0:
+        print(f"--compare runs the peers at world size 1 only; this run has {world} processes: peers skipped")
+    if args.compare and world == 1:
+        offload = args.cpu_offload or args.offload_optim_frac > 0 or args.offload_param_frac > 0
+        kw = dict(precision=precision, grad_ckpt=args.grad_checkpoint)
+        builders = {
+            "eager": lambda: _workloads.eager(config, batch, **kw),
+            "compile": lambda: _workloads.eager(config, batch, compile=True, **kw),
+            "fsdp2": lambda: _workloads.fsdp2(config, batch, cpu_offload=offload, **kw),
+        }
+        for peer in args.peers:
+            peer_rows.append(measure(builders[peer], args=args, shape=shape, device=device, label=peer))
+    rows = list(peer_rows)
+    if not args.no_cai:
+        build = lambda: _workloads.cai(  # noqa: E731
+            config, batch, choice=choice, grad_ckpt=args.grad_checkpoint, kernels=args.kernels
+        )
+        rows.append(measure(build, args=args, shape=shape, device=device, label=f"cai {choice.label}"))
+
+    if rank == 0:
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(
+            f"\n### Llama {args.config}: {shape.num_params / 1e9:.3g}B params (h{config.hidden_size} "
+            f"L{config.num_hidden_layers} vocab {config.vocab_size}), b{args.batch_size} s{args.max_length}"
+            f"{' activation checkpointing' if args.grad_checkpoint else ''}, {precision}, {world} x {gpu}, "
+            f"median of {args.steps} steps after {args.warmup}; MFU against {args.peak_tflops:g} TFLOP/s\n"
+        )
+        print(table(rows, [r for r in peer_rows if r.status == "ok"]), flush=True)
+        out = os.environ.get("OUT")
+        if out:
+            path = Path(out) / f"benchmark_{Path(args.config).name}_{choice.name}.json"
+            meta = {k: v for k, v in vars(args).items()}
+            meta.update(precision=precision, world_size=world, device=gpu, num_params=shape.num_params)
+            path.write_text(json.dumps({"args": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+            print(f"wrote {path}")
+    failed = any(r.status != "ok" for r in rows if r.name.startswith("cai"))
+    dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    run(main, arguments, nproc=1)
