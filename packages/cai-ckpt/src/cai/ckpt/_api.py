@@ -290,9 +290,22 @@ def prepare_optimizer_load(
     reader = CheckpointReader(path, index_name=OPTIM_INDEX_NAME, single_name=None, verify=verify)
     groups_doc = read_json_tensors(path / PARAM_GROUPS_NAME.removesuffix(".json"), reader._check_file)
     view = optimizer_view(optimizer, param_names)
+    # Parameter names, not state keys, decide what matches: a sharded optimizer may hold no state before its
+    # first step, and a parameter that never had a gradient has none in the checkpoint either.
+    names = {n for g in view.param_groups_state() for n in g["params"]}
+    saved = {n for g in groups_doc["param_groups"] for n in g["params"]}
+    missing, unexpected = names - saved, (saved - names) if strict else set()
+    foreign = sorted(k for k in reader.weight_map if k.rsplit(".", 1)[0] not in names) if strict else []
+    if missing or unexpected or foreign:
+        raise CheckpointError(
+            f"optimizer checkpoint {path} does not match the optimizer: parameters missing from the checkpoint "
+            f"{sorted(missing)[:20]}, unexpected parameters {sorted(unexpected)[:20]}, state of unknown parameters {foreign[:20]}"
+        )
+    for k in reader.weight_map:
+        reader.header(k)  # every file's header is validated before anything is copied
     if not isinstance(view, TorchOptimizerAdapter):
-        expected = {k: s.spec.global_shape for k, s in view.sharded_state_dict().items()}
-        reader.check(expected, strict=strict)
+        current = {k: s.spec.global_shape for k, s in view.sharded_state_dict().items()}
+        reader.check(current, strict=False)
 
         def apply_sharded() -> None:
             with reader:
@@ -300,17 +313,6 @@ def prepare_optimizer_load(
             view.load_param_groups_state(groups_doc["param_groups"])
 
         return apply_sharded
-    names = set(view.names.values())
-    saved = {n for g in groups_doc["param_groups"] for n in g["params"]}
-    missing, unexpected = names - saved, saved - names
-    foreign = sorted(k for k in reader.weight_map if k.rsplit(".", 1)[0] not in names)
-    if missing or unexpected or foreign:
-        raise CheckpointError(
-            f"optimizer checkpoint {path} does not match the optimizer: parameters missing from the checkpoint "
-            f"{sorted(missing)[:20]}, unexpected parameters {sorted(unexpected)[:20]}, state of unknown parameters {foreign[:20]}"
-        )
-    for k in reader.weight_map:
-        reader.header(k)
 
     def apply() -> None:
         with reader:

@@ -132,7 +132,8 @@ class CheckpointReader:
             stored = tuple(self.header(name)["shape"])
             if stored != tuple(shape):
                 raise CheckpointError(
-                    f"shape mismatch for {name!r}: checkpoint has {stored}, the current model needs {tuple(shape)}"
+                    f"shape mismatch for {name!r}: checkpoint has {stored} (in {self.weight_map[self.resolve(name)]}), "
+                    f"the current model needs {tuple(shape)}"
                 )
 
     # ---- reading -----------------------------------------------------------------------------------------
