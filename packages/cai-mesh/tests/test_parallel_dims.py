@@ -106,7 +106,7 @@ def test_unknown_axis_is_an_error() -> None:
 
 
 def test_build_mesh_needs_distributed() -> None:
-    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
         ParallelDims(world_size=1).build_mesh()
 
 

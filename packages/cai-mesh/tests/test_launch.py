@@ -1,0 +1,160 @@
+"""launch, launch_from_torch/slurm/openmpi on 2 gloo ranks, seeding, and their errors."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from cai.mesh import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, set_seed
+from cai.mesh._launch import _tcp
+from cai.mesh.testing import run_distributed
+
+SEED = 7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchCase:
+    name: str
+
+
+CASES = [LaunchCase(name=n) for n in ("launch", "torch", "slurm", "slurm-ntasks", "openmpi")]
+
+
+def _env_for(mode: str, rank: int, world: int, port: int) -> dict[str, str]:
+    if mode == "torch":
+        return dict(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    if mode == "slurm":
+        return dict(SLURM_PROCID=str(rank), SLURM_NPROCS=str(world), SLURM_LOCALID=str(rank))
+    if mode == "slurm-ntasks":
+        return dict(SLURM_PROCID=str(rank), SLURM_NTASKS=str(world))
+    if mode == "openmpi":
+        return dict(
+            OMPI_COMM_WORLD_RANK=str(rank),
+            OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+            OMPI_COMM_WORLD_SIZE=str(world),
+        )
+    return {}
+
+
+def _launch_case(mode: str, port: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()  # start from nothing, as a fresh process would
+    saved = dict(os.environ)
+    try:
+        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(var, None)
+        os.environ.update(_env_for(mode, rank, world, port))
+        if mode == "launch":
+            launch(rank, world, "127.0.0.1", port, seed=SEED, verbose=False)
+        elif mode == "torch":
+            launch_from_torch(seed=SEED, verbose=False)
+        elif mode.startswith("slurm"):
+            launch_from_slurm("127.0.0.1", port, seed=SEED, verbose=False)
+        else:
+            launch_from_openmpi("127.0.0.1", str(port), seed=SEED, verbose=False)
+        draws = {"torch": torch.rand(3), "python": random.random(), "numpy": float(np.random.rand())}
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        # Launching again with the same rank and world keeps the group and only reseeds.
+        launch(rank, world, "127.0.0.1", port, seed=SEED, verbose=False)
+        again = torch.rand(3)
+        try:
+            launch(0 if rank else 1, world, "127.0.0.1", port, verbose=False)
+            mismatch = ""
+        except RuntimeError as e:
+            mismatch = str(e)
+        return dict(
+            rank=dist.get_rank(),
+            world=dist.get_world_size(),
+            backend=dist.get_backend(),
+            sum=t.item(),
+            again=again,
+            mismatch=mismatch,
+            **draws,
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_launch_paths_on_2_ranks(case: LaunchCase) -> None:
+    results = run_distributed(_launch_case, 2, case.name, _free_port())
+    set_seed(SEED)
+    expected = {"torch": torch.rand(3), "python": random.random(), "numpy": float(np.random.rand())}
+    for rank, got in enumerate(results):
+        assert (got["rank"], got["world"], got["backend"], got["sum"]) == (rank, 2, "gloo", 3.0)
+        assert torch.equal(got["torch"], expected["torch"]) and torch.equal(got["again"], expected["torch"])
+        assert got["python"] == expected["python"] and got["numpy"] == expected["numpy"]
+        assert f"already initialised as rank {rank} of 2, not rank {1 - rank} of 2" in got["mismatch"]
+
+
+def test_set_seed_seeds_every_rng() -> None:
+    set_seed(3)
+    first = (torch.rand(2), random.random(), np.random.rand())
+    torch.rand(5), random.random(), np.random.rand()
+    set_seed(3)
+    second = (torch.rand(2), random.random(), np.random.rand())
+    assert torch.equal(first[0], second[0]) and first[1:] == second[1:]
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (
+            lambda: launch_from_torch(),
+            "launch_from_torch: environment variables RANK, LOCAL_RANK, WORLD_SIZE, MASTER_PORT are not set",
+        ),
+        (
+            lambda: launch_from_slurm("h", 1),
+            "launch_from_slurm: environment variables SLURM_PROCID, SLURM_NPROCS are not set",
+        ),
+        (
+            lambda: launch_from_openmpi("h", 1),
+            "launch_from_openmpi: environment variables OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_LOCAL_RANK, "
+            "OMPI_COMM_WORLD_SIZE are not set",
+        ),
+    ],
+    ids=["torch", "slurm", "openmpi"],
+)
+def test_launch_names_missing_environment(monkeypatch: pytest.MonkeyPatch, fn, message: str) -> None:
+    for var in list(os.environ):
+        if var.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "OMPI_")):
+            monkeypatch.delenv(var)
+    with pytest.raises(RuntimeError) as err:
+        fn()
+    assert message in str(err.value)
+
+
+def test_launch_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"rank 2 must be in \[0, world_size=2\)"):
+        launch(2, 2, "127.0.0.1", 1)
+    monkeypatch.setenv("RANK", "zero")
+    for var, value in dict(LOCAL_RANK="0", WORLD_SIZE="1", MASTER_PORT="1", MASTER_ADDR="x").items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(RuntimeError, match="RANK='zero' is not an integer"):
+        launch_from_torch()
+
+
+def test_tcp_address_brackets_ipv6() -> None:
+    assert _tcp("::1", 29500) == "tcp://[::1]:29500"
+    assert _tcp("10.0.0.1", "29500") == "tcp://10.0.0.1:29500"
