@@ -1,7 +1,39 @@
-"""cai-gemini: Chunked ZeRO-3 with heterogeneous (GPU/CPU) memory, prefetch and a memory planner."""
+"""cai-gemini: chunked ZeRO-3 with heterogeneous (GPU/CPU) memory, prefetch and a memory planner.
+
+>>> from cai import gemini
+>>> model, optimizer = gemini.shard(model, optimizer, config=gemini.GeminiConfig(offload_optim_frac=1.0))
+"""
 
 from importlib.metadata import version as _version
 
+from cai.gemini._api import shard
+from cai.gemini._chunk import Chunk, ChunkFullError, TensorState
+from cai.gemini._config import ChunkConfig, GeminiConfig, LossScaleConfig
+from cai.gemini._manager import ChunkManager
+from cai.gemini._memory import CudaMemoryTracker, MemoryTracker
+from cai.gemini._model import GeminiModel
+from cai.gemini._optim import GeminiOptimizer
+from cai.gemini._search import ChunkSearchResult, search_chunk_size
+
+GeminiDDP = GeminiModel  # Colossal-AI's name
+
 __version__ = _version("cai-gemini")
 
-__all__ = ["__version__"]
+__all__ = [
+    "Chunk",
+    "ChunkConfig",
+    "ChunkFullError",
+    "ChunkManager",
+    "ChunkSearchResult",
+    "CudaMemoryTracker",
+    "GeminiConfig",
+    "GeminiDDP",
+    "GeminiModel",
+    "GeminiOptimizer",
+    "LossScaleConfig",
+    "MemoryTracker",
+    "TensorState",
+    "__version__",
+    "search_chunk_size",
+    "shard",
+]

@@ -1,0 +1,354 @@
+"""GeminiOptimizer: Adam/AdamW on the fp32 master shards of every chunk, where each chunk's state lives."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cai.gemini._chunk import Chunk
+from cai.gemini._config import LossScaleConfig
+from cai.gemini._memory import DEVICE
+from cai.gemini._model import GeminiModel
+from cai.gemini._state import gather_full, iter_pieces
+from cai.kernels.optim import adam_update
+from cai.mesh import LocalShard, ShardSpec
+
+__all__ = ["GeminiOptimizer"]
+
+_HYPER_SKIP = ("params",)
+
+
+def _adamw_mode(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    if "adamw_mode" in group:  # cai.kernels HybridAdam / CPUAdam / FusedAdam
+        return bool(group["adamw_mode"])
+    if isinstance(optimizer, torch.optim.AdamW):
+        return True
+    return bool(group.get("decoupled_weight_decay", False))
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    ok = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or any(
+        "adamw_mode" in g for g in optimizer.param_groups
+    )
+    if not ok:
+        raise TypeError(
+            f"GeminiOptimizer: {type(optimizer).__name__} is not supported; use torch.optim.Adam/AdamW or "
+            "cai.kernels.optim.HybridAdam/CPUAdam/FusedAdam (the update runs on flat master shards)"
+        )
+    for g in optimizer.param_groups:
+        if g.get("amsgrad") or g.get("maximize"):
+            raise ValueError(
+                "GeminiOptimizer: amsgrad=True and maximize=True are not supported; set them False"
+            )
+
+
+class _LossScaler:
+    """Dynamic loss scale with hysteresis (fp16 only)."""
+
+    def __init__(self, cfg: LossScaleConfig) -> None:
+        self.cfg = cfg
+        self.scale = float(cfg.initial_scale)
+        self._good = 0
+        self._hyst = cfg.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        c = self.cfg
+        if overflow:
+            self._good = 0
+            self._hyst -= 1
+            if self._hyst <= 0:
+                self.scale = max(c.min_scale, self.scale * c.backoff_factor)
+                self._hyst = c.hysteresis
+            return
+        self._good += 1
+        if self._good >= c.growth_interval:
+            self.scale = min(c.max_scale, self.scale * c.growth_factor)
+            self._good = 0
+            self._hyst = c.hysteresis
+
+
+class GeminiOptimizer(torch.optim.Optimizer):
+    """Steps the fp32 master shards of a ``GeminiModel`` with the hyperparameters of ``optimizer``.
+
+    Args:
+        optimizer: ``torch.optim.Adam``/``AdamW`` or a ``cai.kernels.optim`` Adam over the model's parameters;
+            its param groups (and an LR scheduler acting on them) drive the update. Its own state is unused.
+        model: the ``GeminiModel`` owning the parameters.
+        max_norm: clip the global gradient norm (default: ``model.config.max_norm``; 0 disables).
+        norm_type: 2.0 or inf (default: ``model.config.norm_type``).
+
+    Each chunk's shard is updated where its master weights live (host: the native CPU Adam; device: torch's fused
+    kernels), then written back into the working-precision shard. Gradients accumulate over backward passes until
+    ``zero_grad``. With fp16 the loss must go through ``backward(loss)`` (it applies the loss scale).
+
+    Example::
+
+        optimizer = GeminiOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), model, max_norm=1.0)
+        optimizer.backward(loss); optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: GeminiModel,
+        *,
+        max_norm: float | None = None,
+        norm_type: float | None = None,
+    ) -> None:
+        _check_optimizer(optimizer)
+        self.optim = optimizer
+        self.model = model
+        self.max_norm = model.config.max_norm if max_norm is None else float(max_norm)
+        self.norm_type = model.config.norm_type if norm_type is None else float(norm_type)
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.scaler = _LossScaler(model.config.loss_scale) if model.config.precision == "fp16" else None
+        model.loss_scale = self.scaler.scale if self.scaler else 1.0
+        group_of: dict[int, int] = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if id(p) not in model.chunk_manager.info:
+                    raise ValueError(
+                        "GeminiOptimizer: the optimizer holds a parameter that the model does not own"
+                    )
+                group_of[id(p)] = gi
+        # segments: (chunk, lo, hi) runs of one param group in each chunk's local shard
+        self._segments: list[list[tuple[Chunk, int, int]]] = [[] for _ in self.param_groups]
+        self._names: list[list[str]] = [[] for _ in self.param_groups]
+        for c in model.chunks:
+            for t in c.tensors:
+                if id(t.param) in group_of:
+                    self._names[group_of[id(t.param)]].append(t.name)
+        for pc in iter_pieces(model.chunks):
+            gi = group_of.get(id(pc.info.param))
+            if gi is None or pc.chunk.master is None:
+                continue
+            segs = self._segments[gi]
+            if segs and segs[-1][0] is pc.chunk and segs[-1][2] == pc.lo:
+                segs[-1] = (pc.chunk, segs[-1][1], pc.hi)
+            else:
+                segs.append((pc.chunk, pc.lo, pc.hi))
+        self._steps = [0] * len(self.param_groups)
+        self._chunk_state: dict[int, dict[str, torch.Tensor]] = {}
+        self._warm = False
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+
+    # ---- the training-loop surface ----------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        self.model.backward(loss)
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        torch.autograd.backward(
+            tensor, grad * self.model.loss_scale if self.model.loss_scale != 1.0 else grad
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad()
+
+    def _trainable(self) -> list[Chunk]:
+        return [c for c in self.model.chunks if c.master is not None]
+
+    def _state(self, c: Chunk) -> dict[str, torch.Tensor]:
+        st = self._chunk_state.get(c.index)
+        if st is None:
+            assert c.master is not None
+            st = {"exp_avg": torch.zeros_like(c.master), "exp_avg_sq": torch.zeros_like(c.master)}
+            self.model.tracker.add(c.optim_location, "optim", 2 * c.master.numel() * 4)
+            self._chunk_state[c.index] = st
+        return st
+
+    def _all_reduce(self, value: float, op: dist.ReduceOp) -> float:
+        group = self.model.chunk_manager.group
+        if not dist.is_initialized() or self.model.chunk_manager.world_size == 1:
+            return value
+        dev = self.model.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=op, group=group)
+        return float(t.item())
+
+    def _grad_norm(self) -> float:
+        chunks = [c for c in self._trainable() if c.grad32_valid]
+        if self.norm_type == float("inf"):
+            local = max((float(c.grad32.abs().max()) for c in chunks), default=0.0)  # type: ignore[union-attr]
+            return self._all_reduce(local, dist.ReduceOp.MAX)
+        local = sum(float(c.grad32.double().pow(2).sum()) for c in chunks)  # type: ignore[union-attr]
+        return math.sqrt(self._all_reduce(local, dist.ReduceOp.SUM))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Scale the accumulated gradients so their global norm is at most ``max_norm``; returns the norm."""
+        for c in self._trainable():
+            c.flush_staging()
+        prev, self.norm_type = self.norm_type, float(norm_type)
+        try:
+            norm = self._grad_norm()
+        finally:
+            self.norm_type = prev
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        for c in self._trainable():
+            if c.grad32_valid:
+                c.grad32.mul_(coef)  # type: ignore[union-attr]
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every trainable chunk's shard (skipped, with the loss scale backed off, on fp16 overflow)."""
+        loss = closure() if closure is not None else None
+        chunks = self._trainable()
+        for c in chunks:
+            c.flush_staging()
+            if c.unreduced is not None:
+                raise RuntimeError(
+                    "GeminiOptimizer.step: called inside no_sync(); do the last backward outside it"
+                )
+        if self.scaler is not None:
+            inv = 1.0 / self.scaler.scale
+            bad = 0.0
+            for c in chunks:
+                if c.grad32_valid:
+                    c.grad32.mul_(inv)  # type: ignore[union-attr]
+                    bad = max(bad, float(not bool(torch.isfinite(c.grad32).all())))  # type: ignore[arg-type]
+            overflow = self._all_reduce(bad, dist.ReduceOp.MAX) > 0
+            self.scaler.update(overflow)
+            self.model.loss_scale = self.scaler.scale
+            if overflow:
+                self.skipped_steps += 1
+                self.model.zero_grad()
+                return loss
+        if self.max_norm > 0:
+            self.last_grad_norm = self.clip_grad_norm_(self.max_norm, self.norm_type)
+        for gi, group in enumerate(self.param_groups):
+            if not self._segments[gi]:
+                continue
+            self._steps[gi] += 1
+            beta1, beta2 = group["betas"]
+            adamw = _adamw_mode(self.optim, group)
+            for c, lo, hi in self._segments[gi]:
+                st = self._state(c)
+                assert c.master is not None and c.grad32 is not None
+                grad = c.grad32[lo:hi] if c.grad32_valid else torch.zeros_like(c.grad32[lo:hi])
+                adam_update(
+                    c.master[lo:hi],
+                    grad,
+                    st["exp_avg"][lo:hi],
+                    st["exp_avg_sq"][lo:hi],
+                    step=self._steps[gi],
+                    lr=float(group["lr"]),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    adamw_mode=adamw,
+                    bias_correction=bool(group.get("bias_correction", True)),
+                )
+        for c in chunks:
+            c.write_back()
+        if not self._warm:
+            self._warm = True
+            if self.model.placer is not None:
+                for c in chunks:
+                    self._state(c)
+                self._chunk_state = self.model.placer.after_warmup(self._chunk_state)
+            self.model.chunk_manager.end_step()
+        return loss
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def _group_index(self) -> dict[str, int]:
+        return {n: gi for gi, names in enumerate(self._names) for n in names}
+
+    def sharded_state_dict(self) -> dict[str, LocalShard]:
+        """This rank's pieces of ``<param>.exp_avg`` / ``.exp_avg_sq`` and a 0-d ``<param>.step`` (after a step)."""
+        out: dict[str, LocalShard] = {}
+        gidx = self._group_index()
+        for pc in iter_pieces(self._trainable()):
+            st = self._chunk_state.get(pc.chunk.index)
+            gi = gidx.get(pc.info.name)
+            if st is None or gi is None:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{pc.info.name}.{key}"] = LocalShard(st[key][pc.lo : pc.hi].detach(), pc.spec)
+            out[f"{pc.info.name}.step"] = LocalShard(torch.tensor(float(self._steps[gi])), ShardSpec.full(()))
+        return out
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
+        gidx = self._group_index()
+        for pc in iter_pieces(self._trainable()):
+            gi = gidx.get(pc.info.name)
+            if gi is None:
+                continue
+            st = self._state(pc.chunk)
+            for key in ("exp_avg", "exp_avg_sq"):
+                st[key][pc.lo : pc.hi].copy_(
+                    read(f"{pc.info.name}.{key}", pc.spec, torch.float32).reshape(-1)
+                )
+            self._steps[gi] = int(read(f"{pc.info.name}.step", ShardSpec.full(()), torch.float32).item())
+        self._warm_after_load()
+
+    def _warm_after_load(self) -> None:
+        pass
+
+    def param_groups_state(self) -> list[dict[str, Any]]:
+        """JSON-able hyperparameters per group, with ``params`` as parameter names."""
+        out = []
+        for gi, g in enumerate(self.param_groups):
+            d: dict[str, Any] = {}
+            for k, v in g.items():
+                if k in _HYPER_SKIP:
+                    continue
+                if isinstance(v, torch.Tensor):
+                    v = v.item()
+                if isinstance(v, tuple):
+                    v = list(v)
+                if isinstance(v, bool | int | float | str | list) or v is None:
+                    d[k] = v
+            d["params"] = list(self._names[gi])
+            out.append(d)
+        return out
+
+    def load_param_groups_state(self, groups: list[dict[str, Any]]) -> None:
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"load_param_groups_state: {len(groups)} saved groups, optimizer has {len(self.param_groups)}"
+            )
+        for g, saved in zip(self.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Full optimizer state on the host by parameter name (one all-gather per chunk and state tensor)."""
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        gidx = self._group_index()
+        for c in self._trainable():
+            st = self._chunk_state.get(c.index)
+            if st is None:
+                continue
+            fulls = {k: gather_full(c, v) for k, v in st.items()}
+            for t in c.tensors:
+                if t.name in gidx:
+                    s = {k: f[t.offset : t.end].view(t.shape).clone() for k, f in fulls.items()}
+                    s["step"] = torch.tensor(float(self._steps[gidx[t.name]]))
+                    state[t.name] = s
+        return {"state": state, "param_groups": self.param_groups_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        state = state_dict["state"]
+        self.load_param_groups_state(state_dict["param_groups"])
+
+        def read(key: str, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+            name, _, k = key.rpartition(".")
+            return spec.cut(state[name][k]).to(dtype)
+
+        if state:
+            self.load_sharded_state_dict(read)
+
+    def memory_location(self) -> dict[int, str]:
+        return {c.index: c.optim_location for c in self._trainable()}
+
+
+def is_on_device(c: Chunk) -> bool:
+    return c.optim_location == DEVICE
