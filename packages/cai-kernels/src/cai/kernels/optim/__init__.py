@@ -1,0 +1,12 @@
+"""Adam optimizers: CPUAdam (native multi-threaded CPU kernel), HybridAdam (CPU and GPU parameters in one
+optimizer), FusedAdam (torch's fused kernels), and `adam_update`, the low-level step for flat fp32 master shards
+that can write the updated parameter as bf16/fp16 into a buffer in the same pass.
+
+>>> from cai.kernels.optim import CPUAdam, FusedAdam, HybridAdam
+"""
+
+from cai.kernels.optim._functional import adam_update
+from cai.kernels.optim._loader import cpu_adam_status
+from cai.kernels.optim._optimizers import CPUAdam, FusedAdam, HybridAdam
+
+__all__ = ["CPUAdam", "FusedAdam", "HybridAdam", "adam_update", "cpu_adam_status"]

@@ -1,0 +1,167 @@
+"""One Adam/AdamW update of flat tensors: the native CPU kernel, or torch's fused/foreach kernels."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cai.kernels.optim._loader import native_adam
+
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _scalar_step(step: int | float | torch.Tensor) -> float:
+    return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+
+
+def _bias_corrections(step: float, beta1: float, beta2: float, bias_correction: bool) -> tuple[float, float]:
+    if not bias_correction:
+        return 1.0, 1.0
+    return 1.0 - beta1**step, 1.0 - beta2**step
+
+
+def adam_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int | float | torch.Tensor,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    out: torch.Tensor | None = None,
+    grad_scale: float | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """Apply one Adam (L2) or AdamW (decoupled) step in place, optionally writing the new parameter to `out`.
+
+    The low-level entry for optimizers that keep their own flat fp32 master shards (ZeRO, Gemini chunks).
+
+    Args:
+        param: the fp32 master values (any shape); updated in place.
+        grad: the gradient, same number of elements, fp32, bf16 or fp16 (never modified).
+        exp_avg, exp_avg_sq: fp32 first and second moments, same number of elements; updated in place.
+        step: the 1-based number of this update (the state's step after incrementing it). A 0-d tensor is
+            accepted (read on the host, except on the CUDA fused path which reads it on the device).
+        lr, beta1, beta2, eps, weight_decay: as in torch.optim.Adam(W).
+        adamw_mode: True decays the parameter (AdamW); False adds weight_decay * param to the gradient (Adam).
+        bias_correction: divide the moments by (1 - beta^step) as torch does; False skips it.
+        out: optional buffer (fp32, bf16 or fp16, same number of elements, e.g. pinned host memory) that receives
+            the updated parameter cast with round-to-nearest-even, written in the same pass on CPU.
+        grad_scale: the gradient is divided by it first (a loss scale); None means 1.
+        num_threads: CPU threads for the native kernel; default torch.get_num_threads().
+
+    CPU tensors (fp32, contiguous) use the native kernel from kernels/cpu_adam when it can be built, and
+    torch's fused CPU Adam plus a copy otherwise; CUDA tensors use torch's fused Adam kernels.
+
+    Example:
+        >>> p, g = torch.randn(1031), torch.randn(1031, dtype=torch.bfloat16)
+        >>> m, v, out = torch.zeros(1031), torch.zeros(1031), torch.empty(1031, dtype=torch.bfloat16)
+        >>> adam_update(p, g, m, v, step=1, lr=1e-3, weight_decay=0.01, out=out)
+    """
+    n = param.numel()
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("out", out)):
+        if t is not None and t.numel() != n:
+            raise ValueError(
+                f"adam_update: {name} has {t.numel()} elements but param has {n}; they must match"
+            )
+    if grad.dtype not in _NATIVE_DTYPES or (out is not None and out.dtype not in _NATIVE_DTYPES):
+        raise TypeError(
+            f"adam_update: grad dtype {grad.dtype} / out dtype {None if out is None else out.dtype} not supported; "
+            "use float32, bfloat16 or float16"
+        )
+    if param.device.type == "cpu" and _native_eligible(param, grad, exp_avg, exp_avg_sq, out):
+        native = native_adam()
+        if native is not None:
+            _native_update(native, param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps,
+                           weight_decay, adamw_mode, bias_correction, grad_scale, num_threads)  # fmt: skip
+            return
+    with torch.no_grad():
+        torch_adam_update(
+            [param], [grad.reshape(param.shape)], [exp_avg.view(param.shape)], [exp_avg_sq.view(param.shape)], [step],
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+            bias_correction=bias_correction, grad_scale=grad_scale,
+        )  # fmt: skip
+        if out is not None:
+            out.view(param.shape).copy_(param, non_blocking=out.device != param.device)
+
+
+def _native_eligible(param, grad, exp_avg, exp_avg_sq, out) -> bool:
+    tensors = [param, grad, exp_avg, exp_avg_sq] + ([out] if out is not None else [])
+    return param.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and all(
+        t.device.type == "cpu" and t.is_contiguous() for t in tensors
+    )
+
+
+def _native_update(native, param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,
+                   adamw_mode, bias_correction, grad_scale, num_threads) -> None:  # fmt: skip
+    s = _scalar_step(step)
+    bc1, bc2 = _bias_corrections(s, beta1, beta2, bias_correction)
+    rc = native.step(
+        param.data_ptr(), grad.data_ptr(), _NATIVE_DTYPES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        0 if out is None else out.data_ptr(), -1 if out is None else _NATIVE_DTYPES[out.dtype], param.numel(),
+        beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay, 1.0 - lr * weight_decay, int(adamw_mode),
+        lr / bc1, math.sqrt(bc2), 1.0 if grad_scale is None else grad_scale, num_threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native cpu_adam_step returned {rc} (grad {grad.dtype}, out {out and out.dtype})")
+
+
+def torch_adam_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[int | float | torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    bias_correction: bool,
+    grad_scale: float | None = None,
+) -> None:
+    """The same update with torch kernels, for tensors on one device: `torch._fused_adam(w)_` (one launch for
+    the whole list) when it applies, else foreach arithmetic. Steps are 1-based, already incremented."""
+    if not params:
+        return
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
+    if (
+        grad_scale is not None
+    ):  # out of place: torch's fused kernel would write the unscaled values into grads
+        grads = torch._foreach_div(grads, grad_scale)
+    fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
+    same_dtype = all(t.dtype == params[0].dtype for t in params + exp_avgs + exp_avg_sqs)
+    if bias_correction and same_dtype and all(p.device.type in ("cpu", "cuda") for p in params):
+        device = params[0].device
+        step_tensors = [
+            s.to(device=device, dtype=torch.float32)
+            if isinstance(s, torch.Tensor)
+            else torch.tensor(float(s), dtype=torch.float32, device=device)
+            for s in steps
+        ]
+        fused(
+            params, grads, exp_avgs, exp_avg_sqs, [], step_tensors, lr=lr, beta1=beta1, beta2=beta2,
+            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
+        )  # fmt: skip
+        return
+    if weight_decay != 0:
+        if adamw_mode:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    for p, m, v, s in zip(params, exp_avgs, exp_avg_sqs, steps):
+        bc1, bc2 = _bias_corrections(_scalar_step(s), beta1, beta2, bias_correction)
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bc1)

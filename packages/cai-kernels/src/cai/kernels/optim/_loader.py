@@ -1,0 +1,147 @@
+"""Finds, builds (once, cached) and loads the native CPU Adam library, or says why it cannot."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FALLBACK_ENV = "CAI_KERNELS_FALLBACK"
+CACHE_ENV = "CAI_KERNELS_CACHE"
+_SOURCE_NAME = "cpu_adam.cpp"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NativeAdam:
+    """The loaded library: `step` is the C entry point, `isa` the vector body it was built with."""
+
+    step: ctypes._CFuncPtr
+    isa: str
+    path: str
+
+
+_lock = threading.Lock()
+_native: NativeAdam | None = None
+_failure: str | None = None
+_warned = False
+
+
+def find_source_dir() -> Path | None:
+    """The cpu_adam sources: inside the installed wheel (`cai/kernels/_csrc/cpu_adam`), else in the checkout."""
+    here = Path(__file__).resolve()
+    packaged = here.parents[1] / "_csrc" / "cpu_adam"
+    if (packaged / _SOURCE_NAME).is_file():
+        return packaged
+    # Editable install: packages/cai-kernels/src/cai/kernels/optim/_loader.py -> repository root/kernels.
+    for parent in here.parents:
+        candidate = parent / "kernels" / "cpu_adam"
+        if (candidate / _SOURCE_NAME).is_file():
+            return candidate
+    return None
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not be reused on a different CPU (a home directory shared by several nodes).
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compile_flags() -> list[str]:
+    return ["-O3", "-std=c++17", "-fopenmp", "-march=native", "-ffp-contract=off", "-w"]
+
+
+def cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cai" / "kernels"
+
+
+def _build_key(source: bytes, flags: list[str]) -> str:
+    h = hashlib.sha256()
+    for part in (source, torch.__version__.encode(), sys.version.encode(), " ".join(flags).encode()):
+        h.update(part)
+        h.update(b"\0")
+    h.update(_cpu_signature().encode())
+    return h.hexdigest()[:16]
+
+
+def _build() -> NativeAdam:
+    from torch.utils import cpp_extension
+
+    src_dir = find_source_dir()
+    if src_dir is None:
+        raise RuntimeError(
+            "cpu_adam.cpp not found (neither in the wheel's cai/kernels/_csrc nor in a checkout)"
+        )
+    source = src_dir / _SOURCE_NAME
+    flags = _compile_flags()
+    key = _build_key(source.read_bytes(), flags)
+    build_dir = cache_root() / "cpu_adam" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    path = cpp_extension.load(
+        name=f"cai_cpu_adam_{key}",
+        sources=[str(source)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    lib = ctypes.CDLL(str(path))
+    isa_fn = lib.cai_cpu_adam_isa
+    isa_fn.restype = ctypes.c_char_p
+    fn = lib.cai_cpu_adam_step
+    f32, ptr = ctypes.c_float, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int64]
+    fn.argtypes += [f32] * 7 + [ctypes.c_int] + [f32] * 3 + [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return NativeAdam(step=fn, isa=isa_fn().decode(), path=str(path))
+
+
+def native_adam() -> NativeAdam | None:
+    """The native library, building it on first use; None (after one warning) when it cannot be built."""
+    global _native, _failure, _warned
+    if os.environ.get(FALLBACK_ENV, "") not in ("", "0"):
+        return None
+    if _native is not None or _failure is not None:
+        return _native
+    with _lock:
+        if _native is None and _failure is None:
+            try:
+                _native = _build()
+            except Exception as e:  # no compiler, no ninja, a failed compile: all mean "use the fallback"
+                _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    if _failure is not None and not _warned:
+        _warned = True
+        warnings.warn(
+            f"cai.kernels.optim: native CPU Adam unavailable ({_failure}); using torch's fused CPU Adam plus a copy",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return _native
+
+
+def cpu_adam_status() -> tuple[str, str]:
+    """(implementation, reason) for CPU parameters: ("native-avx512" | "native-avx2" | "native-scalar" |
+    "torch-fused", why). Builds the native library if it was not built yet."""
+    if os.environ.get(FALLBACK_ENV, "") not in ("", "0"):
+        return "torch-fused", f"{FALLBACK_ENV}={os.environ[FALLBACK_ENV]} forces the fallback"
+    native = native_adam()
+    if native is not None:
+        return f"native-{native.isa}", f"built from source, cached at {native.path}"
+    return "torch-fused", f"native build failed: {_failure}"
