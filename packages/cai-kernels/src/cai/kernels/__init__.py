@@ -1,7 +1,32 @@
-"""cai-kernels: Triton training kernels (norms, rotary, SwiGLU, fused linear cross-entropy) and Adam optimizers (CPUAdam, FusedAdam, HybridAdam), each with a pure-torch fallback."""
+"""cai-kernels: Triton training kernels (norms, rotary, SwiGLU, fused linear cross-entropy) and Adam optimizers (CPUAdam, FusedAdam, HybridAdam), each with a pure-torch fallback.
+
+Every kernel function picks the Triton kernel for CUDA tensors and a pure-torch implementation otherwise;
+`CAI_KERNELS_FALLBACK=1` forces the torch path and `CAI_KERNELS_IMPL=triton|torch|auto` chooses explicitly
+(`triton` on CPU tensors needs `TRITON_INTERPRET=1`). :func:`kernel_report` says which is in use and why.
+"""
 
 from importlib.metadata import version as _version
 
+from cai.kernels._dispatch import kernel_report
+from cai.kernels._fused_ce import fused_linear_cross_entropy
+from cai.kernels._hf import FusedLMHead, patch_hf_model
+from cai.kernels._norm import LayerNorm, RMSNorm, layer_norm, rms_norm
+from cai.kernels._rope import apply_rotary_pos_emb
+from cai.kernels._swiglu import SwiGLUMLP, swiglu
+
 __version__ = _version("cai-kernels")
 
-__all__ = ["__version__"]
+__all__ = [
+    "FusedLMHead",
+    "LayerNorm",
+    "RMSNorm",
+    "SwiGLUMLP",
+    "__version__",
+    "apply_rotary_pos_emb",
+    "fused_linear_cross_entropy",
+    "kernel_report",
+    "layer_norm",
+    "patch_hf_model",
+    "rms_norm",
+    "swiglu",
+]

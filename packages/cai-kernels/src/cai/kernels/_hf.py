@@ -1,0 +1,191 @@
+"""Applying cai kernels to a Hugging Face Llama-family model by module replacement (no copied forwards)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cai.kernels._fused_ce import fused_linear_cross_entropy
+from cai.kernels._norm import RMSNorm
+from cai.kernels._rope import apply_rotary_pos_emb
+from cai.kernels._swiglu import SwiGLUMLP
+
+logger = logging.getLogger(__name__)
+
+# Model types whose modeling file uses the Llama rotary convention (rotate_half, cos/sin of the full or
+# leading head dims) in a module-level `apply_rotary_pos_emb(q, k, cos, sin, ...)`.
+ROPE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+_SILU_NAMES = frozenset({"SiLU", "SiLUActivation"})
+
+
+class FusedLMHead(nn.Linear):
+    """The lm_head `nn.Linear` (same weight and bias parameters) that can defer its matmul to the loss.
+
+    While `defer` is set (by the hook that :func:`patch_hf_model` installs, only for a training forward
+    that has labels), `forward` returns its input unchanged and the model's loss function computes
+    `fused_linear_cross_entropy(hidden, weight, labels)`; otherwise it is a plain linear layer.
+    """
+
+    defer: bool = False
+
+    @classmethod
+    def take_over(cls, linear: nn.Linear) -> FusedLMHead:
+        head = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        head.weight = linear.weight  # the same Parameter: tied embeddings stay tied
+        head.bias = linear.bias
+        return head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.defer:
+            return x
+        return F.linear(x, self.weight, self.bias)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _patch_norms(model: nn.Module) -> int:
+    count = 0
+    for name, mod in list(model.named_modules()):
+        cls = type(mod).__name__
+        # Gemma-style norms scale by (1 + weight): a different formula, left alone.
+        if not cls.endswith("RMSNorm") or cls.startswith("Gemma") or isinstance(mod, RMSNorm):
+            continue
+        weight = getattr(mod, "weight", None)
+        eps = getattr(mod, "variance_epsilon", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None:
+            continue
+        new = RMSNorm(weight.shape[0], eps, device="meta")
+        new.weight = weight
+        _replace(model, name, new)
+        count += 1
+    return count
+
+
+def _patch_mlps(model: nn.Module) -> int:
+    count = 0
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, SwiGLUMLP) or not all(hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj")):
+            continue
+        if type(getattr(mod, "act_fn", None)).__name__ not in _SILU_NAMES:
+            continue
+        _replace(model, name, SwiGLUMLP.from_mlp(mod))
+        count += 1
+    return count
+
+
+def _patch_rope(model: nn.Module) -> list[str]:
+    patched = []
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in ROPE_MODEL_TYPES:
+        logger.warning("rotary not patched: model_type %r is not one of %s", model_type, sorted(ROPE_MODEL_TYPES))
+        return patched
+    for mod in model.modules():
+        if not type(mod).__name__.endswith("Attention"):
+            continue
+        modeling = sys.modules[type(mod).__module__]
+        fn = getattr(modeling, "apply_rotary_pos_emb", None)
+        if fn is None or fn is apply_rotary_pos_emb or modeling.__name__ in patched:
+            continue
+        if list(inspect.signature(fn).parameters)[:4] != ["q", "k", "cos", "sin"]:
+            continue
+        modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+        patched.append(modeling.__name__)
+    return patched
+
+
+def _causal_lm_loss(head: FusedLMHead, original):
+    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw):
+        if not head.defer:
+            return original(
+                logits=logits, labels=labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index, shift_labels=shift_labels, **kw,
+            )  # fmt: skip
+        head.defer = False
+        hidden = logits  # the deferred lm_head returned its input: (B, T, H) hidden states
+        if shift_labels is None:  # tokens < n predict n, as Hugging Face's ForCausalLMLoss
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        loss = fused_linear_cross_entropy(
+            hidden, head.weight, shift_labels.to(hidden.device), bias=head.bias, ignore_index=ignore_index,
+            reduction=reduction,
+        )  # fmt: skip
+        if num_items_in_batch is not None:
+            loss = loss / num_items_in_batch
+        return loss
+
+    return loss_function
+
+
+def _patch_loss(model: nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function"):
+        return False
+    if not isinstance(head, FusedLMHead):
+        head = FusedLMHead.take_over(head)
+        model.lm_head = head
+    model.loss_function = _causal_lm_loss(head, model.loss_function)
+    signature = inspect.signature(model.forward)
+
+    def pre_hook(module, args, kwargs):
+        labels = signature.bind_partial(*args, **kwargs).arguments.get("labels")
+        head.defer = module.training and labels is not None
+
+    def post_hook(module, args, kwargs, output):
+        if not module.training or getattr(output, "logits", None) is None:
+            return output
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        if bound.get("labels") is None:
+            return output
+        # The "logits" slot holds hidden states when the matmul was deferred: drop it rather than mislead.
+        head.defer = False
+        if isinstance(output, tuple):
+            return output
+        return type(output)(**{k: v for k, v in output.items() if k != "logits"})
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    model.register_forward_hook(post_hook, with_kwargs=True)
+    return True
+
+
+def patch_hf_model(
+    model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_loss: bool = True
+) -> nn.Module:
+    """Use cai kernels in a Hugging Face Llama-family model (Llama, Mistral, Qwen2/3), in place.
+
+    What is replaced, exactly:
+    - `rms_norm`: every `*RMSNorm` module with `weight` and `variance_epsilon` (Gemma's `1 + weight` norms
+      excluded) becomes :class:`cai.kernels.RMSNorm` holding the same weight Parameter.
+    - `swiglu`: every MLP with `gate_proj`, `up_proj`, `down_proj` and a SiLU `act_fn` becomes
+      :class:`cai.kernels.SwiGLUMLP` holding the same three Linear modules.
+    - `rope`: the module-level `apply_rotary_pos_emb` of the attention module's modeling file (for example
+      `transformers.models.llama.modeling_llama`) is set to :func:`cai.kernels.apply_rotary_pos_emb`.
+      Attention forwards look the function up in that module at call time and transformers 5.x offers no
+      per-instance hook for it; the patch therefore affects every model of that family in the process (the
+      two functions compute the same values). Only for `config.model_type` in `ROPE_MODEL_TYPES`.
+    - `fused_loss`: `lm_head` becomes :class:`FusedLMHead` (same Parameters, so tied embeddings stay tied),
+      `model.loss_function` is wrapped, and forward hooks are added. In a training-mode forward with
+      `labels`, the lm_head returns the hidden states and the loss is
+      :func:`cai.kernels.fused_linear_cross_entropy` (labels shifted as Hugging Face does, `num_items_in_batch`
+      honoured): the logits are never materialised and `outputs.logits` is None. In eval mode, or without
+      labels, the forward is unchanged. With `return_dict=False` the logits slot is left as returned.
+
+    State dict keys are unchanged. Returns `model`.
+
+    Example:
+        >>> model = patch_hf_model(LlamaForCausalLM(config))
+        >>> model(input_ids=ids, labels=ids).loss.backward()
+    """
+    norms = _patch_norms(model) if rms_norm else 0
+    mlps = _patch_mlps(model) if swiglu else 0
+    rope_modules = _patch_rope(model) if rope else []
+    loss = _patch_loss(model) if fused_loss else False
+    logger.info("cai kernels: %d RMSNorm, %d MLP, rotary in %s, fused loss %s", norms, mlps, rope_modules, loss)
+    return model
