@@ -1,7 +1,32 @@
-"""cai-booster: Booster facade and plugins (TorchDDP, TorchFSDP, LowLevelZero, Gemini, ...); installs every cai package."""
+"""cai-booster: the Booster facade and plugins (TorchDDP, TorchFSDP, LowLevelZero, Gemini), mixed precision,
+lazy initialisation, resumable distributed data loading and LoRA."""
 
 from importlib.metadata import version as _version
 
+from cai.booster._booster import Booster
+from cai.booster._dataloader import ResumableDataLoader, StatefulDistributedSampler, prepare_dataloader
+from cai.booster._lazy import LazyInitContext
+from cai.booster._precision import (
+    DynamicLossScaler,
+    LossScalerConfig,
+    MixedPrecision,
+    mixed_precision_factory,
+)
+from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
+
 __version__ = _version("cai-booster")
 
-__all__ = ["__version__"]
+__all__ = [
+    "Booster",
+    "DynamicLossScaler",
+    "LazyInitContext",
+    "LossScalerConfig",
+    "MixedPrecision",
+    "ModelWrapper",
+    "OptimizerWrapper",
+    "ResumableDataLoader",
+    "StatefulDistributedSampler",
+    "__version__",
+    "mixed_precision_factory",
+    "prepare_dataloader",
+]

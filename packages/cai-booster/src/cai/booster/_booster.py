@@ -1,0 +1,357 @@
+"""Booster: the facade a training script talks to. It checks the plugin's capabilities against its own
+arguments when it is built, delegates ``boost`` to the plugin, and routes every checkpoint through cai-ckpt."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cai.booster._lazy import is_lazy, pretrained_path
+from cai.booster._precision import MixedPrecision, mixed_precision_factory
+from cai.booster._state import init_optimizer_state
+from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
+from cai.booster.plugin import PLUGINS, BoostContext, Plugin, TorchDDPPlugin
+
+__all__ = ["Booster"]
+
+
+def _names(predicate: Callable[[type], bool]) -> str:
+    return ", ".join(p.__name__ for p in PLUGINS if predicate(p)) or "none yet"
+
+
+class Booster:
+    """Turn a model, optimizer and data loader into their distributed versions under one plugin.
+
+    Args:
+        plugin: the parallel strategy (default: ``TorchDDPPlugin()``, which is plain training in one process).
+        mixed_precision: ``"fp32"``, ``"fp16"``, ``"bf16"`` or a ``MixedPrecision``, for plugins that do not control
+            precision (TorchDDPPlugin); plugins that do take ``precision=`` themselves, and giving both raises.
+        device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available); must be among the plugin's devices.
+
+    Example::
+
+        booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="bf16", max_norm=1.0))
+        model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(model, optimizer, criterion,
+                                                                              dataloader, lr_scheduler)
+        loss = criterion(model(x), y)
+        booster.backward(loss, optimizer)
+        optimizer.step(); optimizer.zero_grad()
+        booster.save_state("ckpt", step=100, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
+
+    Notes:
+        Every argument is checked here, not in the first step: an unsupported precision, device or a precision
+        given twice raises ``ValueError`` naming the values and the plugins or values that would work.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        mixed_precision: str | MixedPrecision | None = None,
+        plugin: Plugin | None = None,
+    ) -> None:
+        if plugin is not None and not isinstance(plugin, Plugin):
+            raise TypeError(
+                f"Booster: plugin must be a cai.booster.plugin.Plugin, got {type(plugin).__name__}"
+            )
+        self.plugin = plugin if plugin is not None else TorchDDPPlugin()
+        caps = self.plugin.capabilities
+        name = self.plugin.name
+        mp = mixed_precision_factory(mixed_precision)
+        if mp is not None and caps.control_precision:
+            raise ValueError(
+                f"Booster: {name} controls precision, so mixed_precision={mp.precision!r} would be ignored; pass "
+                f"precision={mp.precision!r} to {name} instead (plugins that take Booster mixed_precision: "
+                f"{_names(lambda p: not p.CONTROLS_PRECISION)})"
+            )
+        precision = mp.precision if mp is not None else (self.plugin.precision or "fp32")
+        if precision not in caps.precisions:
+            raise ValueError(
+                f"Booster: {name} does not support precision {precision!r}; it supports {list(caps.precisions)}"
+            )
+        self.mixed_precision = mp
+        self.device = torch.device(device) if device is not None else self.plugin.default_device()
+        if self.device.type not in caps.devices:
+            raise ValueError(
+                f"Booster: {name} does not run on device {self.device.type!r}; it supports {list(caps.devices)}"
+            )
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("Booster: device='cuda' but CUDA is not available; use device='cpu'")
+
+    # ---- boost ------------------------------------------------------------------------------------------
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, Any, Any]:
+        """Apply the plugin: returns ``(model, optimizer, criterion, dataloader, lr_scheduler)``.
+
+        A model built under ``LazyInitContext`` is sharded first and then materialised rank by rank; if it came
+        from ``from_pretrained`` inside the context, its safetensors weights are read into the shards here.
+        Build the optimizer on ``model.parameters()`` before calling this, and the LR scheduler on the optimizer:
+        both keep working on the boosted objects.
+        """
+        if isinstance(model, ModelWrapper):
+            raise ValueError("Booster.boost: the model is already boosted; boost each model once")
+        ctx = BoostContext(
+            device=self.device,
+            mixed_precision=self.mixed_precision,
+            pretrained=pretrained_path(model) if is_lazy(model) else None,
+        )
+        return self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, ctx)
+
+    # ---- training-step helpers ---------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
+        """Backward through the optimizer (which applies the loss scale and starts gradient reduction)."""
+        optimizer.backward(loss)
+
+    @contextlib.contextmanager
+    def no_sync(
+        self, model: ModelWrapper | None = None, optimizer: OptimizerWrapper | None = None
+    ) -> Iterator[None]:
+        """Skip gradient synchronisation for the backwards inside (gradient accumulation).
+
+        Accumulation is also correct without it (each micro-step is reduced); ``no_sync`` only saves traffic.
+        """
+        if not self.plugin.support_no_sync():
+            raise ValueError(
+                f"Booster.no_sync: {self.plugin.name} does not support no_sync (accumulate without it: gradients "
+                f"of every micro-step are reduced and summed); plugins with no_sync: "
+                f"{_names(lambda p: p.NO_SYNC)}"
+            )
+        with self.plugin.no_sync(model, optimizer):
+            yield
+
+    def execute_pipeline(
+        self,
+        data_iter: Iterator,
+        model: ModelWrapper,
+        criterion: Callable,
+        optimizer: OptimizerWrapper | None = None,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """Run one pipeline-parallel forward/backward over micro-batches (pipeline plugins only)."""
+        if not self.plugin.capabilities.pipeline:
+            raise ValueError(
+                f"Booster.execute_pipeline: {self.plugin.name} has no pipeline parallelism; plugins that support it: "
+                f"{_names(lambda p: p.PIPELINE)} (HybridParallelPlugin with pp_size > 1 once pipeline parallelism "
+                "lands); with this plugin call model(...) and booster.backward(loss, optimizer)"
+            )
+        return self.plugin.execute_pipeline(
+            data_iter, model, criterion, optimizer, return_loss, return_outputs
+        )
+
+    # ---- LoRA -------------------------------------------------------------------------------------------
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """Add LoRA adapters with peft (``pip install cai-booster[lora]``) before ``boost``; base weights freeze."""
+        if bnb_quantization_config is not None or quantize:
+            raise ValueError(
+                "Booster.enable_lora: quantized (QLoRA) base weights are not supported; use quantize=False"
+            )
+        if isinstance(model, ModelWrapper):
+            raise ValueError("Booster.enable_lora: call it before boost() (on the user's model)")
+        return self.plugin.enable_lora(model, pretrained_dir=pretrained_dir, lora_config=lora_config)
+
+    def save_lora_as_pretrained(
+        self, model: ModelWrapper, checkpoint: str, use_safetensors: bool = False
+    ) -> None:
+        """Write the LoRA adapter in peft's format (``adapter_config.json`` + weights), loadable by peft."""
+        from cai.booster._lora import save_lora_as_pretrained
+
+        if not self.plugin.support_lora():
+            raise ValueError(f"Booster.save_lora_as_pretrained: {self.plugin.name} does not support LoRA")
+        save_lora_as_pretrained(model.unwrap(unwrap_peft=False), self.plugin.model_state(model), checkpoint)
+
+    # ---- checkpoints (all through cai-ckpt) ---------------------------------------------------------------
+    def save_model(
+        self,
+        model: ModelWrapper,
+        checkpoint: str | os.PathLike,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = False,
+        use_async: bool = False,
+    ) -> None:
+        """Save the model as a Hugging Face safetensors directory (``from_pretrained`` loads it) from any plugin.
+
+        Always safetensors, always a directory with an index; ``shard=False`` writes one file when the model fits
+        in ``size_per_shard`` MB. ``gather_dtensor``, ``prefix`` and ``use_safetensors`` are accepted for
+        Colossal-AI compatibility: no rank gathers the model and pickle is never written.
+        """
+        import cai.ckpt
+
+        _check_prefix(prefix)
+        cai.ckpt.save_model(
+            self.plugin.model_state(model),
+            checkpoint,
+            size_per_shard=size_per_shard if shard else float("inf"),
+            use_async=use_async,
+            config=getattr(model.unwrap(), "config", None),
+        )
+
+    def load_model(
+        self,
+        model: ModelWrapper,
+        checkpoint: str | os.PathLike,
+        strict: bool = True,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
+        """Load a checkpoint saved under any plugin and layout (or a Hugging Face safetensors directory)."""
+        import cai.ckpt
+
+        cai.ckpt.load_model(self.plugin.model_state(model), checkpoint, strict=strict)
+
+    def save_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str | os.PathLike,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+        *,
+        model: ModelWrapper | None = None,
+    ) -> None:
+        """Save optimizer state by parameter name (fp32), loadable under any plugin and layout."""
+        import cai.ckpt
+
+        _check_prefix(prefix)
+        cai.ckpt.save_optimizer(
+            self._optimizer_state(optimizer, model),
+            checkpoint,
+            size_per_shard=size_per_shard if shard else float("inf"),
+            use_async=use_async,
+        )
+
+    def load_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str | os.PathLike,
+        prefix: str | None = None,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+        *,
+        model: ModelWrapper | None = None,
+        strict: bool = True,
+    ) -> None:
+        """Load optimizer state saved by ``save_optimizer`` under any plugin and layout."""
+        import cai.ckpt
+
+        _check_prefix(prefix)
+        cai.ckpt.load_optimizer(
+            self._optimizer_state(optimizer, model, for_load=True), checkpoint, strict=strict
+        )
+
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
+        """Save ``lr_scheduler.state_dict()`` as JSON (rank 0 writes)."""
+        from cai.booster._lr import save_lr_scheduler
+
+        save_lr_scheduler(lr_scheduler, Path(checkpoint))
+
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
+        from cai.booster._lr import load_lr_scheduler
+
+        load_lr_scheduler(lr_scheduler, Path(checkpoint))
+
+    def save_state(
+        self,
+        checkpoint: str | os.PathLike,
+        *,
+        step: int,
+        model: ModelWrapper,
+        optimizer: OptimizerWrapper | None = None,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        extra: dict[str, Any] | None = None,
+        size_per_shard: int = 1024,
+        use_async: bool = False,
+    ) -> Path:
+        """Save everything for an exact resume (model, optimizer, scheduler, loss scaler, every rank's RNG and data
+        position) as ``checkpoint/step-NNNNNN``; returns that directory."""
+        import cai.ckpt
+
+        return cai.ckpt.save_state(
+            checkpoint,
+            model=self.plugin.model_state(model),
+            step=step,
+            optimizer=self._optimizer_state(optimizer, model) if optimizer is not None else None,
+            lr_scheduler=lr_scheduler,
+            grad_scaler=_scaler(optimizer),
+            dataloader=dataloader,
+            extra=extra,
+            size_per_shard=size_per_shard,
+            use_async=use_async,
+        )
+
+    def load_state(
+        self,
+        checkpoint: str | os.PathLike,
+        *,
+        model: ModelWrapper,
+        optimizer: OptimizerWrapper | None = None,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        step: int | None = None,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Restore what ``save_state`` wrote (the latest step, or ``step``) under any plugin and layout; returns
+        ``{"step": int, "extra": dict, "path": Path}``."""
+        import cai.ckpt
+
+        return cai.ckpt.load_state(
+            checkpoint,
+            model=self.plugin.model_state(model),
+            optimizer=self._optimizer_state(optimizer, model, for_load=True)
+            if optimizer is not None
+            else None,
+            lr_scheduler=lr_scheduler,
+            grad_scaler=_scaler(optimizer),
+            dataloader=dataloader,
+            step=step,
+            strict=strict,
+        )
+
+    def _optimizer_state(
+        self, optimizer: OptimizerWrapper, model: ModelWrapper | None, *, for_load: bool = False
+    ) -> Any:
+        model = model if model is not None else getattr(optimizer, "boosted_model", None)
+        if model is None:
+            raise ValueError(
+                "Booster: this optimizer was boosted without its model; pass model= (the boosted model) so its "
+                "state can be saved by parameter name"
+            )
+        state = self.plugin.optimizer_state(optimizer, model)
+        if for_load and isinstance(optimizer.unwrap(), torch.optim.Optimizer):
+            init_optimizer_state(optimizer.unwrap())
+        return state
+
+
+def _scaler(optimizer: OptimizerWrapper | None) -> Any:
+    return getattr(optimizer, "scaler", None) if optimizer is not None else None
+
+
+def _check_prefix(prefix: str | None) -> None:
+    if prefix is not None:
+        raise ValueError(
+            f"Booster: prefix={prefix!r} is not supported; checkpoint file names are fixed, use prefix=None"
+        )

@@ -1,0 +1,44 @@
+"""LR scheduler state as a small JSON file (never pickle), written by rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["load_lr_scheduler", "save_lr_scheduler"]
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, where) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in value.items()}
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"save_lr_scheduler: {where} is a {type(value).__name__}, which is not JSON-able")
+
+
+def save_lr_scheduler(lr_scheduler: Any, path: Path) -> None:
+    """Write ``lr_scheduler.state_dict()`` to ``path`` (a file) atomically on rank 0; every rank waits for it."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        state = _jsonable(lr_scheduler.state_dict(), "state_dict")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_lr_scheduler(lr_scheduler: Any, path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"load_lr_scheduler: no scheduler state at {str(path)!r}")
+    lr_scheduler.load_state_dict(json.loads(path.read_text()))

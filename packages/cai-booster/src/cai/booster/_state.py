@@ -1,0 +1,189 @@
+"""The layout-independent state protocol (``sharded_state_dict`` / ``load_sharded_state_dict``) for the objects
+that only the Booster knows how to read: plain or DDP-wrapped modules, FSDP2 (``fully_shard``) modules whose
+parameters are DTensors sharded on dim 0, and the torch optimizers built on them.
+
+Keys are the parameter names of the user's unwrapped module; optimizer keys are ``<param name>.<state key>``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from cai.mesh import LocalShard, ShardSpec
+
+__all__ = ["ModuleState", "OptimizerState", "local_tensor", "param_spec"]
+
+Read = Callable[[str, ShardSpec, torch.dtype], torch.Tensor]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def param_spec(t: torch.Tensor) -> ShardSpec:
+    """Where this rank's piece of ``t`` lies: the whole tensor, or FSDP2's dim-0 chunk (``torch.chunk`` sizes)."""
+    if not hasattr(t, "device_mesh"):
+        return ShardSpec.full(tuple(t.shape))
+    shape = tuple(t.shape)
+    placements = t.placements
+    if len(placements) != 1 or placements[0].is_replicate():
+        if all(p.is_replicate() for p in placements):
+            return ShardSpec.full(shape)
+        raise NotImplementedError(
+            f"param_spec: DTensor placements {placements} are not supported (only Shard(0))"
+        )
+    if not placements[0].is_shard(0):
+        raise NotImplementedError(
+            f"param_spec: DTensor placement {placements[0]} is not supported (only Shard(0))"
+        )
+    mesh = t.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    chunk = math.ceil(shape[0] / world) if shape else 0
+    start = min(rank * chunk, shape[0])
+    stop = min(start + chunk, shape[0])
+    return ShardSpec(
+        global_shape=shape, offsets=(start,) + (0,) * (len(shape) - 1), block_shape=(stop - start, *shape[1:])
+    )
+
+
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    # named_parameters drops the second name of a tied parameter, so tied weights are stored once.
+    out: dict[str, torch.Tensor] = dict(module.named_parameters())
+    for mod_name, mod in module.named_modules():
+        for buf_name, buf in mod._buffers.items():
+            if buf is not None and buf_name not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{buf_name}" if mod_name else buf_name] = buf
+    return out
+
+
+class ModuleState:
+    """State-protocol view of a plain, DDP-wrapped or FSDP2-sharded module (``module`` is the unwrapped one)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters (tied ones once) and persistent buffers, by name."""
+        return _named_tensors(self.module)
+
+    def sharded_state_dict(self) -> dict[str, LocalShard]:
+        return {
+            name: LocalShard(local_tensor(t).detach(), param_spec(t))
+            for name, t in _named_tensors(self.module).items()
+        }
+
+    def load_sharded_state_dict(self, read: Read) -> None:
+        with torch.no_grad():
+            for name, t in _named_tensors(self.module).items():
+                local = local_tensor(t)
+                local.copy_(read(name, param_spec(t), local.dtype).to(local.device))
+
+
+class OptimizerState:
+    """State-protocol view of a torch optimizer whose parameters belong to ``module`` (plain or FSDP2)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+        self.optimizer = optimizer
+        self.names = {id(p): n for n, p in module.named_parameters()}
+
+    def _name(self, p: torch.Tensor) -> str:
+        try:
+            return self.names[id(p)]
+        except KeyError:
+            raise ValueError(
+                "OptimizerState: the optimizer holds a parameter that is not in the model; "
+                "build the optimizer on model.parameters() before boost()"
+            ) from None
+
+    def sharded_state_dict(self) -> dict[str, LocalShard]:
+        out: dict[str, LocalShard] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if not torch.is_tensor(value):
+                        value = torch.tensor(value)
+                    if value.dim() == 0:
+                        out[f"{self._name(p)}.{key}"] = LocalShard(value.detach().float(), ShardSpec.full(()))
+                    else:
+                        out[f"{self._name(p)}.{key}"] = LocalShard(
+                            local_tensor(value).detach(), param_spec(p)
+                        )
+        return out
+
+    def load_sharded_state_dict(self, read: Read) -> None:
+        init_optimizer_state(self.optimizer)
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    state = self.optimizer.state[p]
+                    for key, value in state.items():
+                        name = f"{self._name(p)}.{key}"
+                        if not torch.is_tensor(value):
+                            state[key] = type(value)(read(name, ShardSpec.full(()), torch.float32).item())
+                        elif value.dim() == 0:
+                            value.copy_(read(name, ShardSpec.full(()), torch.float32))
+                        else:
+                            local = local_tensor(value)
+                            local.copy_(read(name, param_spec(p), local.dtype).to(local.device))
+
+    def param_groups_state(self) -> list[dict[str, Any]]:
+        groups = []
+        for group in self.optimizer.param_groups:
+            g = {k: _jsonable(v) for k, v in group.items() if k != "params"}
+            g = {k: v for k, v in g.items() if v is not _SKIP}
+            g["params"] = [self._name(p) for p in group["params"]]
+            groups.append(g)
+        return groups
+
+    def load_param_groups_state(self, groups: list[dict[str, Any]]) -> None:
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"load_param_groups_state: checkpoint has {len(groups)} param groups, optimizer has "
+                f"{len(self.optimizer.param_groups)}"
+            )
+        for saved, group in zip(groups, self.optimizer.param_groups):
+            for key, value in saved.items():
+                if key != "params" and key in group:
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+
+_SKIP = object()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (tuple, list)):
+        items = [_jsonable(x) for x in v]
+        return _SKIP if any(x is _SKIP for x in items) else items
+    if torch.is_tensor(v) and v.numel() == 1:
+        return v.item()
+    return _SKIP
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state (so a loader knows its keys) with a step that changes nothing.
+
+    Every group's lr is set to 0 and absent gradients to zeros for one ``step``; the step counters this creates are
+    overwritten by the loaded values.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    saved_grads = [p.grad for p in params]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, saved_lrs):
+        g["lr"] = lr
+    for p, grad in zip(params, saved_grads):
+        p.grad = grad

@@ -1,0 +1,21 @@
+"""Plugins: one parallel strategy each, composed from the cai packages' functions and typed configs."""
+
+from cai.booster.plugin._base import BoostContext, Capabilities, DPPluginBase, Plugin
+from cai.booster.plugin._low_level_zero import LowLevelZeroPlugin
+from cai.booster.plugin._torch_ddp import DDPConfig, TorchDDPPlugin
+from cai.booster.plugin._torch_fsdp import FSDPConfig, TorchFSDPPlugin
+
+PLUGINS: tuple[type[Plugin], ...] = (TorchDDPPlugin, TorchFSDPPlugin, LowLevelZeroPlugin)
+
+__all__ = [
+    "PLUGINS",
+    "BoostContext",
+    "Capabilities",
+    "DDPConfig",
+    "DPPluginBase",
+    "FSDPConfig",
+    "LowLevelZeroPlugin",
+    "Plugin",
+    "TorchDDPPlugin",
+    "TorchFSDPPlugin",
+]

@@ -1,0 +1,270 @@
+"""LowLevelZeroPlugin: ZeRO-1/2 from cai-zero (sharded fp32 master weights, optimizer state, and at stage 2
+gradients); the model stays whole on every rank in the working precision."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from cai.booster._precision import LossScalerConfig, check_precision, precision_dtype
+from cai.booster._state import ModuleState, local_tensor
+from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
+from cai.booster.plugin._base import (
+    BoostContext,
+    Boosted,
+    Capabilities,
+    DPPluginBase,
+    param_names,
+    rebind_optimizer,
+)
+from cai.booster.plugin._torch_ddp import place_replicated
+from cai.mesh import LocalShard, ShardSpec
+
+__all__ = ["LowLevelZeroPlugin"]
+
+_PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+class LowLevelZeroPlugin(DPPluginBase):
+    """ZeRO stage 1 or 2 over the whole world (cai-zero's ``ZeroOptimizer``); the plugin controls precision.
+
+    Args (Colossal-AI names and defaults): ``stage=1``, ``precision="fp16"``, the loss scaler (``initial_scale=2**32,
+    min_scale=1, growth_factor=2, backoff_factor=0.5, growth_interval=1000, hysteresis=2, max_scale=2**32``),
+    ``max_norm=0.0`` (global gradient clipping inside ``step``), ``norm_type=2.0`` (only 2.0),
+    ``reduce_bucket_size_in_m=12``, ``communication_dtype=None``, ``overlap_communication=True``,
+    ``overlap_allgather=False``, ``cpu_offload=False``, ``master_weights=True`` (only True),
+    ``cast_inputs=True`` (floating inputs are cast to the working dtype). ``verbose`` is accepted;
+    ``fp8_communication``, ``use_fp8`` and ``extra_dp_size > 1`` raise.
+
+    Example::
+
+        booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="bf16", max_norm=1.0))
+    """
+
+    LORA = True
+    NO_SYNC = True
+
+    def __init__(
+        self,
+        stage: int = 1,
+        precision: str = "fp16",
+        initial_scale: float = 2**32,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        reduce_bucket_size_in_m: float = 12,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = True,
+        overlap_allgather: bool = False,
+        cpu_offload: bool = False,
+        master_weights: bool = True,
+        verbose: bool = False,
+        cast_inputs: bool = True,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
+        extra_dp_size: int = 1,
+    ) -> None:
+        from cai.zero import ZeroConfig
+
+        check_precision(precision, _PRECISIONS, owner="LowLevelZeroPlugin")
+        if norm_type != 2.0:
+            raise ValueError(f"LowLevelZeroPlugin: norm_type={norm_type} is not supported; use norm_type=2.0")
+        if not master_weights:
+            raise ValueError(
+                "LowLevelZeroPlugin: master_weights=False is not supported; fp32 masters are kept"
+            )
+        if fp8_communication or use_fp8:
+            raise ValueError(
+                f"LowLevelZeroPlugin: fp8_communication={fp8_communication}, use_fp8={use_fp8} are not supported; "
+                "leave both False"
+            )
+        if extra_dp_size != 1:
+            raise ValueError(f"LowLevelZeroPlugin: extra_dp_size={extra_dp_size} is not supported; use 1")
+        self.stage = stage
+        self._precision = precision
+        self.cast_inputs = cast_inputs
+        # Stage is validated by ZeroConfig (1 or 2); bucket size converts from Colossal-AI's million elements of
+        # fp32 to MiB.
+        self.zero_config = ZeroConfig(
+            stage=stage,
+            bucket_size_mb=reduce_bucket_size_in_m * 4,
+            comm_dtype=communication_dtype,
+            overlap_comm=overlap_communication,
+            overlap_allgather=overlap_allgather,
+            cpu_offload=cpu_offload,
+            max_norm=max_norm,
+        )
+        self.scaler_config = LossScalerConfig(
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+        )
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(precisions=_PRECISIONS, control_precision=True, no_sync=True, lora=self.LORA)
+
+    @property
+    def precision(self) -> str:
+        return self._precision
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        criterion: Callable | None,
+        dataloader: Any,
+        lr_scheduler: Any,
+        ctx: BoostContext,
+    ) -> Boosted:
+        from cai.zero import LossScaleConfig, ZeroOptimizer
+
+        names = param_names(model)
+        place_replicated(model, ctx)
+        dtype = precision_dtype(self._precision)
+        model.to(dtype)
+        if self.cast_inputs and dtype != torch.float32:
+            _cast_floating_inputs(model, dtype)
+        boosted_model = ModelWrapper(model)
+        if optimizer is None:
+            return boosted_model, None, criterion, dataloader, lr_scheduler
+        rebind_optimizer(optimizer, names, dict(model.named_parameters(remove_duplicate=False)))
+        s = self.scaler_config
+        loss_scale = None
+        if self._precision == "fp16":
+            loss_scale = LossScaleConfig(
+                initial_scale=s.initial_scale,
+                growth_factor=s.growth_factor,
+                backoff_factor=s.backoff_factor,
+                growth_interval=s.growth_interval,
+                hysteresis=s.hysteresis,
+                min_scale=s.min_scale,
+                max_scale=s.max_scale,
+            )
+        zo = ZeroOptimizer(optimizer, model=model, config=self.zero_config, loss_scale=loss_scale)
+        boosted_opt = ZeroOptimizerWrapper(zo)
+        boosted_opt.boosted_model = boosted_model
+        return boosted_model, boosted_opt, criterion, dataloader, lr_scheduler
+
+    @contextlib.contextmanager
+    def no_sync(self, model: ModelWrapper, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
+        if optimizer is None:
+            raise ValueError("LowLevelZeroPlugin.no_sync: pass the boosted optimizer (gradients live in it)")
+        with optimizer.no_sync():
+            yield
+
+    def model_state(self, model: ModelWrapper) -> Any:
+        optimizer = getattr(model, "_cai_zero", None)
+        if optimizer is None:
+            return ModuleState(model.unwrap())
+        return ZeroModelState(optimizer, model.unwrap())
+
+    def optimizer_state(self, optimizer: OptimizerWrapper, model: ModelWrapper) -> Any:
+        return optimizer.unwrap()
+
+
+class ZeroOptimizerWrapper(OptimizerWrapper):
+    """The boosted optimizer over a ``ZeroOptimizer``: gradients live in its buckets, not in ``param.grad``."""
+
+    def __init__(self, zo: Any) -> None:
+        super().__init__(zo.optim)
+        self.zo = zo
+        self.boosted_model: ModelWrapper | None = None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        super().__setattr__(key, value)
+        if key == "boosted_model" and value is not None:
+            object.__setattr__(value, "_cai_zero", self.zo)
+
+    @property
+    def scaler(self) -> Any:  # type: ignore[override]
+        return self.zo.scaler
+
+    @scaler.setter
+    def scaler(self, value: Any) -> None:
+        pass  # the ZeroOptimizer owns its loss scaler
+
+    def backward(self, loss: torch.Tensor, inputs: Any = None, retain_graph: bool = False) -> None:
+        self.zo.backward(loss, inputs=inputs, retain_graph=retain_graph)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.zo.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zo.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, **_: Any) -> torch.Tensor:
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_by_norm: norm_type={norm_type} is not supported under ZeRO; use 2.0")
+        return self.zo.clip_grad_norm(max_norm)
+
+    def get_grad_norm(self, norm_type: float = 2.0, **_: Any) -> float:
+        return float(self.zo.grad_norm())
+
+    def clip_grad_by_value(self, clip_value: float, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("clip_grad_by_value is not supported under ZeRO; use clip_grad_by_norm or max_norm=")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.zo.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.zo.load_state_dict(state)
+
+    def unwrap(self) -> Any:
+        return self.zo
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.zo.no_sync():
+            yield
+
+
+class ZeroModelState:
+    """The model's state under ZeRO: fp32 master pieces from the optimizer, plus persistent buffers."""
+
+    def __init__(self, zo: Any, module: nn.Module) -> None:
+        self.zo = zo
+        self.module = module
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        params = set(dict(self.module.named_parameters()))
+        return {n: t for n, t in ModuleState(self.module).tensors().items() if n not in params}
+
+    def sharded_state_dict(self) -> dict[str, LocalShard]:
+        out = dict(self.zo.model_sharded_state_dict())
+        for n, b in self._buffers().items():
+            out[n] = LocalShard(local_tensor(b).detach(), ShardSpec.full(tuple(b.shape)))
+        return out
+
+    def load_sharded_state_dict(self, read: Any) -> None:
+        self.zo.load_model_sharded_state_dict(read)
+        with torch.no_grad():
+            for n, b in self._buffers().items():
+                b.copy_(read(n, ShardSpec.full(tuple(b.shape)), b.dtype))
+
+
+def _cast_floating_inputs(module: nn.Module, dtype: torch.dtype) -> None:
+    forward = module.forward
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return forward(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+
+    module.forward = wrapped  # type: ignore[method-assign]

@@ -1,0 +1,237 @@
+"""TorchFSDPPlugin on FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters sharded on dim 0 as DTensors."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cai.booster._lazy import initialise, is_lazy
+from cai.booster._precision import DynamicLossScaler, check_precision, precision_dtype
+from cai.booster._pretrained import load_pretrained_into
+from cai.booster._state import ModuleState
+from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
+from cai.booster.plugin._base import (
+    BoostContext,
+    Boosted,
+    Capabilities,
+    DPPluginBase,
+    param_names,
+    rebind_optimizer,
+)
+
+__all__ = ["FSDPConfig", "TorchFSDPPlugin"]
+
+_PRECISIONS = ("fp32", "fp16", "bf16")
+_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPConfig:
+    """How the plugin applies ``fully_shard``.
+
+    Attributes:
+        precision: compute dtype of the gathered parameters; master weights and gradient reduction stay fp32.
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them until backward.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU (``CPUOffloadPolicy``).
+        wrap_module_names: class names of the submodules sharded as their own unit (one all-gather each); None
+            means the model's ``_no_split_modules`` (Hugging Face decoder layers), else every ``nn.ModuleList`` item.
+    """
+
+    precision: str = "fp32"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    wrap_module_names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision, _PRECISIONS, owner="TorchFSDPPlugin")
+
+
+class TorchFSDPPlugin(DPPluginBase):
+    """Fully sharded data parallelism with FSDP2; the plugin controls precision.
+
+    Args: ``precision="fp32"`` (or ``"bf16"``/``"fp16"``: compute dtype; fp16 adds a loss scaler),
+    ``reshard_after_forward=True``, ``wrap_module_names=None`` (see ``FSDPConfig``), and Colossal-AI's names:
+    ``sharding_strategy`` (``"FULL_SHARD"``/``"SHARD_GRAD_OP"`` or the torch enum), ``cpu_offload`` (bool or
+    ``CPUOffload``), ``mixed_precision`` (a torch FSDP ``MixedPrecision``; its ``param_dtype`` sets ``precision``),
+    ``backward_prefetch`` (FSDP2 always prefetches; ignored with a warning). ``process_group``,
+    ``auto_wrap_policy``, ``ignored_modules``, ``param_init_fn``, ``sync_module_states`` and ``fp8_communication``
+    are FSDP1 features and raise.
+    """
+
+    LORA = False
+    NO_SYNC = True
+
+    def __init__(
+        self,
+        process_group: Any = None,
+        sharding_strategy: Any = None,
+        cpu_offload: Any = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: Any = None,
+        mixed_precision: Any = None,
+        ignored_modules: Any = None,
+        param_init_fn: Any = None,
+        sync_module_states: bool = False,
+        fp8_communication: bool = False,
+        *,
+        precision: str | None = None,
+        reshard_after_forward: bool | None = None,
+        wrap_module_names: tuple[str, ...] | list[str] | None = None,
+    ) -> None:
+        unsupported = {
+            "process_group": process_group,
+            "auto_wrap_policy": auto_wrap_policy,
+            "ignored_modules": ignored_modules,
+            "param_init_fn": param_init_fn,
+        }
+        for key, value in unsupported.items():
+            if value is not None:
+                raise ValueError(
+                    f"TorchFSDPPlugin: {key}={value!r} is an FSDP1 option that FSDP2 does not have; leave it None "
+                    "(use wrap_module_names=(...) to choose the sharded submodules, and LazyInitContext for init)"
+                )
+        if sync_module_states or fp8_communication:
+            raise ValueError(
+                f"TorchFSDPPlugin: sync_module_states={sync_module_states}, fp8_communication={fp8_communication} "
+                "are not supported; leave them False (every rank builds the model from the same seed)"
+            )
+        if backward_prefetch is not None:
+            warnings.warn(
+                "TorchFSDPPlugin: backward_prefetch is ignored; FSDP2 prefetches by default", stacklevel=2
+            )
+        strategy = getattr(sharding_strategy, "name", sharding_strategy)
+        if strategy is not None and strategy not in _STRATEGIES:
+            raise ValueError(
+                f"TorchFSDPPlugin: sharding_strategy {strategy!r} is not supported; use one of {list(_STRATEGIES)} "
+                "(NO_SHARD: use TorchDDPPlugin)"
+            )
+        if reshard_after_forward is None:
+            reshard_after_forward = _STRATEGIES.get(strategy, True)
+        elif strategy is not None and _STRATEGIES[strategy] != reshard_after_forward:
+            raise ValueError(
+                f"TorchFSDPPlugin: sharding_strategy={strategy!r} conflicts with reshard_after_forward="
+                f"{reshard_after_forward}; give one of them"
+            )
+        if mixed_precision is not None:
+            mp_name = {
+                torch.float16: "fp16",
+                torch.bfloat16: "bf16",
+                torch.float32: "fp32",
+                None: "fp32",
+            }.get(getattr(mixed_precision, "param_dtype", None))
+            if precision is not None and precision != mp_name:
+                raise ValueError(
+                    f"TorchFSDPPlugin: precision={precision!r} conflicts with mixed_precision.param_dtype "
+                    f"({mp_name}); give one of them"
+                )
+            precision = mp_name
+        offload = bool(getattr(cpu_offload, "offload_params", cpu_offload))
+        self.config = FSDPConfig(
+            precision=precision or "fp32",
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=offload,
+            wrap_module_names=tuple(wrap_module_names) if wrap_module_names is not None else None,
+        )
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(precisions=_PRECISIONS, control_precision=True, no_sync=True, lora=self.LORA)
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        criterion: Callable | None,
+        dataloader: Any,
+        lr_scheduler: Any,
+        ctx: BoostContext,
+    ) -> Boosted:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "TorchFSDPPlugin needs torch.distributed initialised (cai.mesh.launch_from_torch)"
+            )
+        c = self.config
+        names = param_names(model)
+        lazy = is_lazy(model)
+        if not lazy:
+            model.to(ctx.device)
+        mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
+        dtype = precision_dtype(c.precision)
+        kwargs = {
+            "mesh": mesh,
+            "reshard_after_forward": c.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+            "offload_policy": CPUOffloadPolicy() if c.cpu_offload else OffloadPolicy(),
+        }
+        # Inner units first, then the root: each unit is one all-gather in forward and one reduce-scatter in
+        # backward; the root holds what is left (embeddings, final norm, a tied lm_head).
+        for unit in _wrap_units(model, c.wrap_module_names):
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        if lazy:
+            _materialise_shards(model, ctx)
+        elif ctx.pretrained is not None:
+            load_pretrained_into(ModuleState(model), ctx.pretrained)
+        if optimizer is not None:
+            rebind_optimizer(optimizer, names, dict(model.named_parameters(remove_duplicate=False)))
+        boosted_model = ModelWrapper(model)
+        boosted_opt = None
+        if optimizer is not None:
+            scaler = DynamicLossScaler() if c.precision == "fp16" else None
+            boosted_opt = OptimizerWrapper(optimizer, scaler=scaler)
+            boosted_opt.boosted_model = boosted_model
+        return boosted_model, boosted_opt, criterion, dataloader, lr_scheduler
+
+    @contextlib.contextmanager
+    def no_sync(self, model: ModelWrapper, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
+        # Gradients of unsynchronised micro-batches stay unsharded and local; the next synchronised backward
+        # reduce-scatters their sum.
+        module = model.unwrap()
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+
+def _wrap_units(model: nn.Module, class_names: tuple[str, ...] | None) -> list[nn.Module]:
+    if class_names is None:
+        class_names = tuple(getattr(model, "_no_split_modules", None) or ())
+    if class_names:
+        units = [m for m in model.modules() if type(m).__name__ in class_names and m is not model]
+        if not units:
+            raise ValueError(
+                f"TorchFSDPPlugin: no submodule of {type(model).__name__} has a class in wrap_module_names="
+                f"{list(class_names)}; give class names that occur in the model"
+            )
+        return units
+    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
+def _materialise_shards(model: nn.Module, ctx: BoostContext) -> None:
+    """Allocate only this rank's shards of a meta model, then fill them from pretrained files or initialisers."""
+    buffers = {n: b for n, b in model.named_buffers()}
+    model.to_empty(device=ctx.device)
+    # to_empty also emptied the (real) buffers; they were computed in __init__, so put them back.
+    for name, buf in buffers.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        owner._buffers[attr] = buf.to(ctx.device)
+    if ctx.pretrained is not None:
+        load_pretrained_into(ModuleState(model), ctx.pretrained)
+    else:
+        initialise(model, [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))])
