@@ -1,0 +1,160 @@
+"""Every configuration trained on gloo ranks matches the same model trained in one process, step by step."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cai.kernels.optim import CPUAdam
+from cai.mesh.testing import TinyTransformer, assert_close, make_batch, run_distributed
+from cai.zero import ZeroConfig, ZeroOptimizer
+
+MODEL = dict(vocab_size=64, hidden=32, layers=2, heads=4, max_seq=32)
+MICRO_BATCH = 2
+SEQ = 16
+BUCKET_MB = 3000 * 4 / 2**20  # ~3000 fp32 elements: about ten buckets of odd sizes, so padding is exercised
+LR = 1e-3
+# Adam divides by sqrt(v) + eps: for a gradient element of size ~eps, a rounding-level difference in the sum (the
+# reference adds the micro-batches in another order; ~1e-9 here) moves the update by ~rounding / (4 eps) of lr.
+# eps = 1e-4 keeps that near 1e-9 absolute, so parameters can be compared at 1e-6 relative.
+EPS = 1e-4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    dp: int
+    stage: int
+    mode: str = "plain"  # plain | accum | clip | offload | overlap_allgather | tied
+    steps: int = 10
+
+    @property
+    def id(self) -> str:
+        return f"dp{self.dp}-zero{self.stage}-{self.mode}"
+
+    @property
+    def accum(self) -> int:
+        return 4 if self.mode == "accum" else 1
+
+    @property
+    def max_norm(self) -> float:
+        return 0.5 if self.mode == "clip" else 0.0
+
+    def model(self) -> TinyTransformer:
+        model = TinyTransformer(**MODEL, tie_embeddings=self.mode == "tied")
+        # Frozen parameters must stay out of the buckets. The qkv biases are the natural ones to freeze: the key
+        # part of their gradient is zero in exact arithmetic (softmax ignores a shift shared by all keys), so it
+        # is rounding noise that Adam would amplify into differences no sharded run can reproduce.
+        for block in model.blocks:
+            block.qkv.bias.requires_grad_(False)
+        return model
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        if self.mode == "offload":
+            return CPUAdam(params, lr=LR, eps=EPS, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.01)
+
+    def config(self) -> ZeroConfig:
+        return ZeroConfig(
+            stage=self.stage,
+            bucket_size_mb=BUCKET_MB,
+            max_norm=self.max_norm,
+            cpu_offload=self.mode == "offload",
+            overlap_allgather=self.mode == "overlap_allgather",
+        )
+
+
+def global_batch(case: Case, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return make_batch(batch_size=case.dp * case.accum * MICRO_BATCH, seq_len=SEQ, vocab_size=64, seed=step)
+
+
+def micro_rows(case: Case, rank: int, micro: int) -> slice:
+    """Micro-batch ``micro`` of ``rank``: chunk ``micro * dp + rank`` of the global batch."""
+    c = micro * case.dp + rank
+    return slice(c * MICRO_BATCH, (c + 1) * MICRO_BATCH)
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def sharded_steps(case: Case, model, opt: ZeroOptimizer, steps: range) -> dict:
+    """Train ``steps`` with the case's micro-batching; returns losses, norms and the params after every step."""
+    rank = dist.get_rank()
+    out = {"losses": [], "norms": [], "params": []}
+    for step in steps:
+        ids, labels = global_batch(case, step)
+        total = torch.zeros(())
+        for i in range(case.accum):
+            rows = micro_rows(case, rank, i)
+            sync = contextlib.nullcontext() if i == case.accum - 1 else opt.no_sync()
+            with sync:
+                # mean over each micro-batch, summed over k micro-steps: divide by k (see ZeroOptimizer notes)
+                loss = TinyTransformer.loss(model(ids[rows]), labels[rows]) / case.accum
+                opt.backward(loss)
+            total += loss.detach()
+        if case.max_norm:
+            out["norms"].append(opt.grad_norm().item())
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        out["losses"].append(total.item() / case.dp)
+        out["params"].append(params_of(model))
+    return out
+
+
+def train_sharded(case: Case) -> dict:
+    model = case.model()
+    opt = ZeroOptimizer(case.optimizer(model.parameters()), model=model, config=case.config())
+    out = sharded_steps(case, model, opt, range(case.steps))
+    return out if dist.get_rank() == 0 else {}
+
+
+def train_reference(case: Case, steps: int | None = None) -> dict:
+    """The same model trained in one process on the union of every rank's micro-batches, fp32."""
+    model = case.model()
+    opt = case.optimizer(p for p in model.parameters() if p.requires_grad)
+    out = {"losses": [], "norms": [], "params": []}
+    chunks = case.dp * case.accum
+    for step in range(steps or case.steps):
+        ids, labels = global_batch(case, step)
+        logits = model(ids)
+        losses = [
+            TinyTransformer.loss(
+                logits[c * MICRO_BATCH : (c + 1) * MICRO_BATCH],
+                labels[c * MICRO_BATCH : (c + 1) * MICRO_BATCH],
+            )
+            for c in range(chunks)
+        ]
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        if case.max_norm:
+            out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        out["params"].append(params_of(model))
+    return out
+
+
+CASES = [
+    Case(dp=dp, stage=stage, mode=mode)
+    for dp in (1, 2, 4)
+    for stage in (1, 2)
+    for mode in ("plain", "accum", "clip", "offload")
+] + [Case(dp=2, stage=2, mode="overlap_allgather"), Case(dp=4, stage=1, mode="tied")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_matches_single_process_reference(case: Case) -> None:
+    got = run_distributed(train_sharded, case.dp, case)[0]
+    ref = train_reference(case)
+    for step in range(case.steps):
+        assert got["losses"][step] == pytest.approx(ref["losses"][step], rel=1e-6), f"loss at step {step}"
+        assert_close(
+            got["params"][step], ref["params"][step], rtol=1e-6, atol=1e-7, name=f"params after step {step}"
+        )
+    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
