@@ -193,8 +193,7 @@ def run_command(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(shlex.join(cmd))
             return 0
-        sys.stdout.flush()
-        return subprocess.call(cmd)
+        return _torchrun_here(cmd[3:])
     try:
         hosts = (
             read_hostfile(args.hostfile)
@@ -206,6 +205,20 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"cai run: {e}", file=sys.stderr)
         return 2
     return _run_on_hosts(args, hosts)
+
+
+def _torchrun_here(argv: list[str]) -> int:
+    """Run torchrun in this process (it becomes the node's agent; saves starting another interpreter)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    sys.stdout.flush()
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:  # torchrun already logged the failing ranks; summarise and exit non-zero
+        print(f"cai run: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 @dataclass
