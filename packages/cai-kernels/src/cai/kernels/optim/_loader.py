@@ -80,7 +80,9 @@ def _build_key(source: bytes, flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def _build() -> NativeAdam:
+def _build(flags: list[str] | None = None) -> NativeAdam:
+    """Compile (or reuse the cached build) and load. `flags` replaces the default compiler flags (tests use it
+    to build the portable scalar body)."""
     from torch.utils import cpp_extension
 
     src_dir = find_source_dir()
@@ -89,7 +91,7 @@ def _build() -> NativeAdam:
             "cpu_adam.cpp not found (neither in the wheel's cai/kernels/_csrc nor in a checkout)"
         )
     source = src_dir / _SOURCE_NAME
-    flags = _compile_flags()
+    flags = _compile_flags() if flags is None else flags
     key = _build_key(source.read_bytes(), flags)
     build_dir = cache_root() / "cpu_adam" / key
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -70,16 +70,11 @@ class _Adam(torch.optim.Optimizer):
         state = self.state[p]
         step_device = p.device if p.device.type == "cuda" else torch.device("cpu")
         if not state:
-            state_dtype = (
-                torch.float32 if p.dtype in (torch.float16, torch.bfloat16, torch.float32) else p.dtype
-            )
-            if p.dtype in (torch.float16, torch.bfloat16):
-                state_dtype = (
-                    p.dtype
-                )  # no master copy here: keep the state in the parameter's dtype, like torch
+            # Moments in the parameter's dtype, as torch does (fp32 for fp32 master weights, the case the
+            # native kernel serves; bf16/fp16 parameters go through torch's kernels).
             state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         elif state["step"].device != step_device or state["step"].dtype != torch.float32:
             state["step"] = state["step"].to(device=step_device, dtype=torch.float32)
         return state
