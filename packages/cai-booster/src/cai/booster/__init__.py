@@ -5,7 +5,7 @@ from importlib.metadata import version as _version
 
 from cai.booster._booster import Booster
 from cai.booster._dataloader import ResumableDataLoader, StatefulDistributedSampler, prepare_dataloader
-from cai.booster._lazy import LazyInitContext
+from cai.booster._lazy import LazyInitContext, set_pretrained_path
 from cai.booster._precision import (
     DynamicLossScaler,
     LossScalerConfig,
@@ -29,4 +29,5 @@ __all__ = [
     "__version__",
     "mixed_precision_factory",
     "prepare_dataloader",
+    "set_pretrained_path",
 ]

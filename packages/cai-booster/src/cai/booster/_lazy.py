@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LazyInitContext", "is_lazy", "pretrained_path"]
+__all__ = ["LazyInitContext", "is_lazy", "pretrained_path", "set_pretrained_path"]
 
 _PRETRAINED_ATTR = "_cai_pretrained_path"
 
@@ -106,6 +106,12 @@ def is_lazy(module: nn.Module) -> bool:
 def pretrained_path(module: nn.Module) -> str | None:
     """The checkpoint directory recorded by ``from_pretrained`` inside ``LazyInitContext``, if any."""
     return getattr(module, _PRETRAINED_ATTR, None)
+
+
+def set_pretrained_path(module: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Mark a lazy model so that ``Booster.boost`` fills it from the safetensors files in ``path``."""
+    setattr(module, _PRETRAINED_ATTR, os.fspath(path))
+    return module
 
 
 def materialize(module: nn.Module, device: torch.device, *, init: bool = True) -> None:

@@ -1,0 +1,100 @@
+"""Lazy initialisation: meta parameters, real buffers, tying kept; sharded plugins allocate only their part and
+read pretrained safetensors straight into it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from cai.booster import Booster, LazyInitContext, set_pretrained_path
+from cai.booster._lazy import is_lazy
+from cai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+from cai.mesh.testing import TinyTransformer, assert_close, run_distributed
+
+
+class WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.arange(4.0), persistent=False)
+
+
+def test_parameters_are_meta_buffers_are_real_and_ties_survive() -> None:
+    with LazyInitContext():
+        model = TinyTransformer(tie_embeddings=True)
+        other = WithBuffer()
+    assert is_lazy(model) and all(p.device.type == "meta" for p in model.parameters())
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(other.scale, torch.arange(4.0))
+    LazyInitContext.materialize(model)
+    assert not is_lazy(model)
+    assert model.head.weight is model.embed.weight
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.equal(model.blocks[0].ln1.weight, torch.ones(32))  # LayerNorm.reset_parameters ran
+    assert float(model.blocks[0].qkv.weight.std()) > 0
+
+
+def test_context_restores_eager_construction() -> None:
+    with LazyInitContext():
+        pass
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def _pretrained_dir() -> tuple[str, dict[str, torch.Tensor]]:
+    path = tempfile.mkdtemp(prefix="cai-lazy-")
+    state = {k: v.contiguous() for k, v in TinyTransformer(seed=123).state_dict().items()}
+    if dist.get_rank() == 0:
+        save_file(state, os.path.join(path, "model.safetensors"))
+    obj = [path]
+    dist.broadcast_object_list(obj, src=0)  # every rank uses rank 0's directory
+    dist.barrier()
+    return obj[0], state
+
+
+def _lazy_pretrained(plugin_name: str) -> dict:
+    path, expected = _pretrained_dir()
+    with LazyInitContext():
+        model = TinyTransformer(seed=0)
+    set_pretrained_path(model, path)
+    plugin = {
+        "ddp": TorchDDPPlugin,
+        "fsdp": lambda: TorchFSDPPlugin(precision="fp32"),
+        "zero": lambda: LowLevelZeroPlugin(precision="fp32"),
+    }[plugin_name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, *_ = Booster(plugin=plugin, device="cpu").boost(model, opt)
+    module = model.unwrap()
+    local_numel = sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters()
+    )
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in module.named_parameters()
+    }
+    assert_close(full, expected, rtol=0, name="pretrained")
+    # The optimizer was rebound to the materialised parameters: one step moves them.
+    x = torch.randint(0, 64, (2, 8))
+    opt.backward(model(x).float().mean())
+    opt.step()
+    moved = any(
+        not torch.equal((p.full_tensor() if hasattr(p, "full_tensor") else p), full[n])
+        for n, p in module.named_parameters()
+    )
+    return {"local_numel": local_numel, "total": sum(t.numel() for t in expected.values()), "moved": moved}
+
+
+@pytest.mark.parametrize("plugin", ["ddp", "fsdp", "zero"])
+def test_lazy_model_loads_pretrained_after_boost(plugin: str) -> None:
+    results = run_distributed(_lazy_pretrained, 2, plugin)
+    for r in results:
+        assert r["moved"]
+        if plugin == "fsdp":
+            assert r["local_numel"] <= r["total"] // 2 + 64  # only this rank's shard was allocated
+        else:
+            assert r["local_numel"] == r["total"]
