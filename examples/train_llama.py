@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--plugin", choices=PLUGINS, default="zero2", help="parallel strategy (default zero2)")
+    p.add_argument("--plugin", choices=PLUGINS, default="ddp", help="parallel strategy (default ddp)")
     p.add_argument(
         "--precision",
         choices=("auto", "fp32", "bf16", "fp16"),
@@ -167,7 +167,7 @@ class Run:
         args, device = self.args, self.device
         self.model.train()
         clip_here = self.choice.name in ("ddp", "fsdp") and args.max_norm > 0  # ZeRO/Gemini clip inside step
-        loss_sum, tokens, last_loss = torch.zeros((), device=device), 0, float("nan")
+        loss_sum, steps, tokens, last_loss = torch.zeros((), device=device), 0, 0, float("nan")
         synchronize(device)
         t0 = time.perf_counter()
         batches = itertools.islice(self.loader, until - self.step)
@@ -182,12 +182,12 @@ class Run:
             self.optimizer.zero_grad()
             self.step += 1
             loss_sum += loss.detach().float()
+            steps += 1
             tokens += batch["input_ids"].numel()
             if self.step % args.log_every == 0 or self.step == until:
                 # One all-reduce per log line: the bar shows the mean loss over ranks since the last line.
-                n = (self.step - 1) % args.log_every + 1
                 dist.all_reduce(loss_sum)
-                last_loss = float(loss_sum) / (n * self.world)
+                last_loss = float(loss_sum) / (steps * self.world)
                 synchronize(device)
                 seconds = time.perf_counter() - t0
                 perf = Throughput.measure(
@@ -205,7 +205,7 @@ class Run:
                     mem_gib=peak_memory_gib(device),
                 )
                 loss_sum.zero_()
-                tokens, t0 = 0, time.perf_counter()
+                steps, tokens, t0 = 0, 0, time.perf_counter()
         return last_loss
 
     @torch.no_grad()
@@ -232,13 +232,15 @@ class Run:
             step=self.step,
         )
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, step: int | None = None) -> None:
+        """Restore the checkpoint at ``step`` (default: the latest one under ``path``)."""
         state = self.booster.load_state(
             path,
             model=self.model,
             optimizer=self.optimizer,
             lr_scheduler=self.scheduler,
             dataloader=self.loader,
+            step=step,
         )
         self.step = int(state["step"])
 
@@ -278,7 +280,7 @@ def main(args: argparse.Namespace) -> None:
         # Rebuild everything from a different random init and resume: only the checkpoint carries the state.
         del run_
         run_ = Run(args, task, device, init_seed=args.seed + 1)
-        run_.load(args.ckpt_dir)
+        run_.load(args.ckpt_dir, step=args.save_at)
         after = run_.probe_loss()
         say(
             f"resumed from {args.ckpt_dir} at step {run_.step} (probe loss {after:.4f}, "
