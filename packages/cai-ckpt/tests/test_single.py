@@ -238,7 +238,7 @@ def test_missing_unexpected_keys_and_shape_mismatch(tmp_path):
 def test_header_length_bomb(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
-    with pytest.raises(ck.CheckpointError, match="model.safetensors has a corrupted or truncated header"):
+    with pytest.raises(ck.CheckpointError, match=r"model\.safetensors has a corrupted or truncated header"):
         ck.load_model(_model(), tmp_path)
 
 

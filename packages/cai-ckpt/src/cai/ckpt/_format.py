@@ -188,19 +188,19 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if _looks_like_pickle(head):
+            head = f.read(9)
+            if head[8:9] != b"{" and _looks_like_pickle(head):
                 raise CheckpointError(
                     f"{path} is a pickle/torch.save file; cai-ckpt reads only safetensors and never unpickles (it could run code)"
                 )
-            if len(head) < 8:
+            if len(head) < 9:
                 raise CheckpointError(f"{path} is truncated ({size} bytes): not a safetensors file")
-            (n,) = struct.unpack("<Q", head)
+            (n,) = struct.unpack("<Q", head[:8])
             if n > size - 8 or n > 100 << 20:
                 raise CheckpointError(
                     f"{path} has a corrupted or truncated header (header length {n}, file size {size})"
                 )
-            raw = f.read(n)
+            raw = head[8:] + f.read(n - 1)
     except FileNotFoundError:
         raise CheckpointError(f"missing checkpoint file {path}") from None
     try:
