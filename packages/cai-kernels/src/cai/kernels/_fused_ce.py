@@ -34,7 +34,9 @@ def _stats_torch(logits, labels, vocab_start, ignore_index):
     return m, se, tgt, x.sum(-1)
 
 
-def _grad_torch_(logits, labels, lse, scale, vocab_start, ignore_index, smooth_over_v, one_minus_smooth, two_z):
+def _grad_torch_(
+    logits, labels, lse, scale, vocab_start, ignore_index, smooth_over_v, one_minus_smooth, two_z
+):
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     g = torch.exp(x - lse[:, None]) * (1.0 + two_z * lse[:, None]) - smooth_over_v
     local = torch.where(labels != ignore_index, labels - vocab_start, -1)
@@ -55,7 +57,9 @@ def _stats_triton(logits, labels, vocab_start, ignore_index):
     return out[0], out[1], out[2], out[3]
 
 
-def _grad_triton_(logits, labels, lse, scale, vocab_start, ignore_index, smooth_over_v, one_minus_smooth, two_z):
+def _grad_triton_(
+    logits, labels, lse, scale, vocab_start, ignore_index, smooth_over_v, one_minus_smooth, two_z
+):
     from cai.kernels._fused_ce_triton import ce_grad_kernel
 
     c, v = logits.shape
@@ -101,7 +105,9 @@ class _FusedLinearCE(torch.autograd.Function):
         valid = y != ignore_index
         n_valid = valid.sum()
         # Rows' gradient scale; a tensor so no host sync is needed to form the mean.
-        denom = n_valid.clamp(min=1).to(torch.float32) if reduction == "mean" else torch.ones((), device=y.device)
+        denom = (
+            n_valid.clamp(min=1).to(torch.float32) if reduction == "mean" else torch.ones((), device=y.device)
+        )
         row_scale = valid.to(torch.float32) / denom
         grad_h = torch.empty_like(h2d) if need_h else None
         grad_w = torch.empty_like(w) if need_w else None
@@ -154,7 +160,9 @@ class _FusedLinearCE(torch.autograd.Function):
         unit = grad_loss.numel() == 1 and bool(grad_loss == 1)
         out_h = out_w = out_b = None
         if grad_h is not None:
-            out_h = (grad_h if unit else grad_h * grad_loss.to(grad_h.dtype)).reshape(*lead_shape, -1).to(h_dtype)
+            out_h = (
+                (grad_h if unit else grad_h * grad_loss.to(grad_h.dtype)).reshape(*lead_shape, -1).to(h_dtype)
+            )
         if grad_w is not None:
             out_w = (grad_w if unit else grad_w * grad_loss.to(grad_w.dtype)).to(w_dtype)
         if grad_b is not None:
@@ -215,16 +223,30 @@ def fused_linear_cross_entropy(
     if z_loss < 0:
         raise ValueError(f"z_loss={z_loss}; it must be >= 0")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} must be (V, H) with H = hidden's last dim {hidden.shape[-1]}")
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be (V, H) with H = hidden's last dim {hidden.shape[-1]}"
+        )
     if labels.numel() * hidden.shape[-1] != hidden.numel():
-        raise ValueError(f"labels {tuple(labels.shape)} must hold one target per row of hidden {tuple(hidden.shape)}")
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must hold one target per row of hidden {tuple(hidden.shape)}"
+        )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias {tuple(bias.shape)} must be ({weight.shape[0]},)")
     if process_group is None and vocab_start_index != 0:
-        raise ValueError(f"vocab_start_index={vocab_start_index} needs a process_group (vocab-parallel shards)")
+        raise ValueError(
+            f"vocab_start_index={vocab_start_index} needs a process_group (vocab-parallel shards)"
+        )
     t = labels.numel()
     chunk = chunk_size or _default_chunk(t, weight.shape[0], hidden.element_size())
     if chunk <= 0:
         raise ValueError(f"chunk_size={chunk_size}; it must be positive")
-    opts = (ignore_index, float(label_smoothing), float(z_loss), reduction, chunk, process_group, vocab_start_index)
+    opts = (
+        ignore_index,
+        float(label_smoothing),
+        float(z_loss),
+        reduction,
+        chunk,
+        process_group,
+        vocab_start_index,
+    )
     return _FusedLinearCE.apply(hidden, weight, bias, labels, opts)

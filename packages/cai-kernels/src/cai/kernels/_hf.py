@@ -72,7 +72,9 @@ def _patch_norms(model: nn.Module) -> int:
 def _patch_mlps(model: nn.Module) -> int:
     count = 0
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, SwiGLUMLP) or not all(hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj")):
+        if isinstance(mod, SwiGLUMLP) or not all(
+            hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj")
+        ):
             continue
         if type(getattr(mod, "act_fn", None)).__name__ not in _SILU_NAMES:
             continue
@@ -85,7 +87,9 @@ def _patch_rope(model: nn.Module) -> list[str]:
     patched = []
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ROPE_MODEL_TYPES:
-        logger.warning("rotary not patched: model_type %r is not one of %s", model_type, sorted(ROPE_MODEL_TYPES))
+        logger.warning(
+            "rotary not patched: model_type %r is not one of %s", model_type, sorted(ROPE_MODEL_TYPES)
+        )
         return patched
     for mod in model.modules():
         if not type(mod).__name__.endswith("Attention"):
@@ -102,7 +106,9 @@ def _patch_rope(model: nn.Module) -> list[str]:
 
 
 def _causal_lm_loss(head: FusedLMHead, original):
-    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw):
+    def loss_function(
+        logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw
+    ):
         if not head.defer:
             return original(
                 logits=logits, labels=labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
@@ -156,7 +162,12 @@ def _patch_loss(model: nn.Module) -> bool:
 
 
 def patch_hf_model(
-    model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, fused_loss: bool = True
+    model: nn.Module,
+    *,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    rope: bool = True,
+    fused_loss: bool = True,
 ) -> nn.Module:
     """Use cai kernels in a Hugging Face Llama-family model (Llama, Mistral, Qwen2/3), in place.
 
@@ -187,5 +198,7 @@ def patch_hf_model(
     mlps = _patch_mlps(model) if swiglu else 0
     rope_modules = _patch_rope(model) if rope else []
     loss = _patch_loss(model) if fused_loss else False
-    logger.info("cai kernels: %d RMSNorm, %d MLP, rotary in %s, fused loss %s", norms, mlps, rope_modules, loss)
+    logger.info(
+        "cai kernels: %d RMSNorm, %d MLP, rotary in %s, fused loss %s", norms, mlps, rope_modules, loss
+    )
     return model

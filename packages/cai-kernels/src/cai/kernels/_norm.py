@@ -77,7 +77,9 @@ def _torch_norm(x, residual, weight, bias, eps, is_rms):
 def _check(x, weight, residual, bias):
     n = x.shape[-1]
     if weight.shape != (n,):
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n},) for input {tuple(x.shape)}")
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)}; expected ({n},) for input {tuple(x.shape)}"
+        )
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n},)")
     if residual is not None and residual.shape != x.shape:
@@ -144,7 +146,9 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim (parameters named `weight` and `bias` as in `torch.nn.LayerNorm`)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True, device=None, dtype=None) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True, device=None, dtype=None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None

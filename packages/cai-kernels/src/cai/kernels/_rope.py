@@ -89,7 +89,9 @@ def apply_rotary_pos_emb(
         raise ValueError(f"unsqueeze_dim={unsqueeze_dim}; it must be 1 (B, H, T, D) or 2 (B, T, H, D)")
     if position_ids is not None:
         if cos.dim() != 2:
-            raise ValueError(f"with position_ids, cos/sin must be (max_positions, R) tables, got {tuple(cos.shape)}")
+            raise ValueError(
+                f"with position_ids, cos/sin must be (max_positions, R) tables, got {tuple(cos.shape)}"
+            )
         cos, sin = cos[position_ids], sin[position_ids]  # (B, T, R)
     if unsqueeze_dim == 2:
         q, k = q.transpose(1, 2), k.transpose(1, 2)

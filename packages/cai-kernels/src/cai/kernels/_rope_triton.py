@@ -5,14 +5,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(X, O, x_base, o_base, sxh, sxd, soh, sod, c1, c2, s1, s2, H,
+def _rotate_heads(X, OUT, x_base, o_base, sxh, sxd, soh, sod, c1, c2, s1, s2, H,
                   HALF, PASS, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):  # fmt: skip
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_HALF)
     mask = (h < H)[:, None] & (j < HALF)[None, :]
     xp = X + x_base + h[:, None] * sxh + j[None, :] * sxd
-    op = O + o_base + h[:, None] * soh + j[None, :] * sod
+    op = OUT + o_base + h[:, None] * soh + j[None, :] * sod
     x1 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(xp + HALF * sxd, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:  # the transpose of the rotation
@@ -21,14 +21,15 @@ def _rotate_heads(X, O, x_base, o_base, sxh, sxd, soh, sod, c1, c2, s1, s2, H,
     else:
         o1 = x1 * c1[None, :] - x2 * s1[None, :]
         o2 = x2 * c2[None, :] + x1 * s2[None, :]
-    tl.store(op, o1.to(O.dtype.element_ty), mask=mask)
-    tl.store(op + HALF * sod, o2.to(O.dtype.element_ty), mask=mask)
+    tl.store(op, o1.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(op + HALF * sod, o2.to(OUT.dtype.element_ty), mask=mask)
     if BLOCK_PASS > 0:  # partial rotary: dims past the rotary ones are copied unchanged
         p = tl.arange(0, BLOCK_PASS)
         pmask = (h < H)[:, None] & (p < PASS)[None, :]
         xpp = X + x_base + h[:, None] * sxh + (2 * HALF + p[None, :]) * sxd
-        opp = O + o_base + h[:, None] * soh + (2 * HALF + p[None, :]) * sod
+        opp = OUT + o_base + h[:, None] * soh + (2 * HALF + p[None, :]) * sod
         tl.store(opp, tl.load(xpp, mask=pmask, other=0.0), mask=pmask)
+
 
 @triton.jit
 def rope(Q, K, QO, KO, COS, SIN, T, HQ, HK, HALF, PASS,

@@ -1,0 +1,99 @@
+"""patch_hf_model on tiny Hugging Face models, compared with the unpatched model in float64."""
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from cai.kernels import FusedLMHead, RMSNorm, SwiGLUMLP, patch_hf_model  # noqa: E402
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    arch: str
+    tie: bool
+
+    def __str__(self):
+        return f"{self.arch}-{'tied' if self.tie else 'untied'}"
+
+
+def build(case):
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=case.tie)  # fmt: skip
+    if case.arch == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+
+
+@pytest.fixture
+def restore_rope(monkeypatch):
+    # The rotary patch is module-level; put the original functions back after each test.
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    for mod in (modeling_llama, modeling_qwen2):
+        monkeypatch.setattr(mod, "apply_rotary_pos_emb", mod.apply_rotary_pos_emb)
+
+
+@pytest.mark.parametrize("case", [Case(arch="llama", tie=False), Case(arch="qwen2", tie=True)], ids=str)
+def test_patched_model_matches_original(case, impl, restore_rope):
+    torch.manual_seed(0)
+    ref = build(case).double()
+    ids = torch.randint(0, 61, (2, 6))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    # Reference first: the rotary patch replaces the modeling module's function for every model.
+    ref_out = ref(input_ids=ids, labels=labels)
+    ref_out.loss.backward()
+    ref.eval()
+    with torch.no_grad():
+        ref_logits = ref(input_ids=ids).logits
+    ref.train()
+
+    model = patch_hf_model(copy.deepcopy(ref))
+    model.zero_grad()
+    assert list(model.state_dict()) == list(ref.state_dict())
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp, SwiGLUMLP) and isinstance(layer.input_layernorm, RMSNorm)
+    assert isinstance(model.model.norm, RMSNorm) and isinstance(model.lm_head, FusedLMHead)
+    modeling = __import__(type(layer.self_attn).__module__, fromlist=["x"])
+    assert modeling.apply_rotary_pos_emb.__module__ == "cai.kernels._rope"
+    if case.tie:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None  # never materialised in a training forward with labels
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-6, atol=0)
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref_logits, rtol=1e-6, atol=1e-7)
+        # Eval with labels keeps the logits (metrics need them).
+        assert model(input_ids=ids, labels=labels).logits is not None
+
+
+def test_num_items_in_batch_and_no_labels(impl, restore_rope):
+    torch.manual_seed(1)
+    ref = build(Case(arch="llama", tie=False))
+    model = patch_hf_model(copy.deepcopy(ref), rope=False)
+    ids = torch.randint(0, 61, (2, 7))
+    want = ref(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(20)).loss
+    got = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(20)).loss
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Without labels the forward is unchanged: logits come back.
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_flags_leave_parts_alone(restore_rope):
+    model = patch_hf_model(build(Case(arch="llama", tie=False)), rms_norm=False, swiglu=False, rope=False,
+                           fused_loss=False)  # fmt: skip
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert type(model.lm_head) is torch.nn.Linear

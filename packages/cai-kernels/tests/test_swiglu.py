@@ -1,0 +1,43 @@
+"""SwiGLU against a float64 reference. Tolerances relative to the largest reference magnitude: fp32 1e-5,
+bf16 2e-2."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cai.kernels import SwiGLUMLP, swiglu
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1,), (3, 7), (2, 5, 100), (4097,)], ids=str)
+def test_swiglu_matches_float64(shape, dtype, impl, device):
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(shape, generator=g) * 3).to(device=device, dtype=dtype).requires_grad_()
+    b = torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    dc = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    c = swiglu(a, b)
+    assert c.dtype == dtype and c.shape == a.shape
+    c.backward(dc)
+    ad, bd = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    cd = F.silu(ad) * bd
+    cd.backward(dc.double())
+    for name, t, r in [("c", c, cd), ("da", a.grad, ad.grad), ("db", b.grad, bd.grad)]:
+        err = (t.double() - r).abs().max().item()
+        assert err <= TOL[dtype] * r.abs().max().item(), f"{name}: {err}"
+
+
+def test_mlp_takes_over_linears(impl):
+    gate, up, down = torch.nn.Linear(8, 12), torch.nn.Linear(8, 12), torch.nn.Linear(12, 8)
+    mlp = SwiGLUMLP(gate, up, down)
+    assert mlp.gate_proj is gate and list(dict(mlp.named_parameters())) == [
+        "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias",
+    ]  # fmt: skip
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(mlp(x), down(F.silu(gate(x)) * up(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_mismatched_inputs_are_rejected():
+    with pytest.raises(ValueError, match="must match"):
+        swiglu(torch.randn(2, 3), torch.randn(3, 2))
