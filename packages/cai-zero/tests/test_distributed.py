@@ -1,0 +1,230 @@
+"""Communication volume, fp16 overflow, resharding dp=4 -> dp=2, and parameters that get no gradient."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cai.mesh import LocalShard, ShardSpec, assemble
+from cai.mesh.testing import CollectiveCounter, TinyTransformer, assert_close, make_batch, run_distributed
+from cai.zero import LossScaleConfig, ZeroConfig, ZeroOptimizer
+
+MODEL = dict(vocab_size=64, hidden=32, layers=2, heads=4, max_seq=32)
+BUCKET_MB = 3000 * 4 / 2**20
+LR, EPS = 1e-3, 1e-4  # eps: see test_parity.py
+
+
+def _model() -> TinyTransformer:
+    model = TinyTransformer(**MODEL)
+    for block in model.blocks:  # see test_parity.py: their key part has a gradient of pure rounding noise
+        block.qkv.bias.requires_grad_(False)
+    return model
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.01
+    )
+
+
+def _rows(rank: int, micro: int, dp: int, mb: int) -> slice:
+    c = micro * dp + rank
+    return slice(c * mb, (c + 1) * mb)
+
+
+def _reference(steps: int, batch: int) -> list[dict[str, torch.Tensor]]:
+    model = _model()
+    opt = _adamw(model)
+    out = []
+    for step in range(steps):
+        ids, labels = make_batch(batch_size=batch, seq_len=16, vocab_size=64, seed=step)
+        TinyTransformer.loss(
+            model(ids), labels
+        ).backward()  # every row has 15 labels: chunk means average to this
+        opt.step()
+        opt.zero_grad()
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+# ---- communication volume -------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class CommCase:
+    stage: int
+    accum: int
+
+    @property
+    def id(self) -> str:
+        return f"zero{self.stage}-accum{self.accum}"
+
+
+def _count_step(case: CommCase) -> dict:
+    model = _model()
+    opt = ZeroOptimizer(
+        _adamw(model), model=model, config=ZeroConfig(stage=case.stage, bucket_size_mb=BUCKET_MB)
+    )
+    ids, labels = make_batch(batch_size=2 * case.accum * 2, seq_len=16, vocab_size=64, seed=0)
+    with CollectiveCounter() as cc:
+        for i in range(case.accum):
+            rows = _rows(dist.get_rank(), i, 2, 2)
+            with opt.no_sync() if i < case.accum - 1 else contextlib.nullcontext():
+                opt.backward(TinyTransformer.loss(model(ids[rows]), labels[rows]) / case.accum)
+        opt.step()
+    return {
+        "events": [(e.op, e.nbytes) for e in cc.events],
+        "buckets": len(opt.buckets),
+        "padded_bytes": sum(b.padded for b in opt.buckets) * 4,
+        "numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", [CommCase(stage=s, accum=k) for s in (1, 2) for k in (1, 4)], ids=lambda c: c.id
+)
+def test_one_reduction_and_one_gather_of_the_padded_parameters(case: CommCase) -> None:
+    got = run_distributed(_count_step, 2, case)[0]
+    ops = {}
+    for op, nbytes in got["events"]:
+        n, b = ops.get(op, (0, 0))
+        ops[op] = (n + 1, b + nbytes)
+    reduce_op = "reduce_scatter_tensor" if case.stage == 2 else "all_reduce"
+    assert set(ops) == {reduce_op, "all_gather_into_tensor"}, ops
+    assert ops[reduce_op] == (got["buckets"], got["padded_bytes"])
+    assert ops["all_gather_into_tensor"] == (got["buckets"], got["padded_bytes"])
+    assert 1 < got["buckets"] < 20
+    # padding is at most world_size - 1 elements per bucket
+    assert got["numel"] * 4 <= got["padded_bytes"] < (got["numel"] + got["buckets"] * 2) * 4
+
+
+# ---- fp16 overflow ------------------------------------------------------------------------------------------------
+def _fp16_run(seeds: list[int], inject_at: int | None) -> dict:
+    model = _model().half()
+    opt = ZeroOptimizer(
+        _adamw(model),
+        model=model,
+        config=ZeroConfig(stage=2, bucket_size_mb=BUCKET_MB),
+        loss_scale=LossScaleConfig(),
+    )
+    rank = dist.get_rank()
+    for step, seed in enumerate(seeds):
+        ids, labels = make_batch(batch_size=4, seq_len=16, vocab_size=64, seed=seed)
+        loss = TinyTransformer.loss(model(ids[rank * 2 : rank * 2 + 2]), labels[rank * 2 : rank * 2 + 2])
+        if step == inject_at and rank == 1:
+            loss = loss * float("inf")  # one rank's gradients overflow: every rank must skip
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    steps = {float(s["step"]) for s in opt.state.values()}
+    return {
+        "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+        "scale": opt.loss_scale,
+        "overflows": opt.scaler.overflow_count,
+        "steps": steps,
+    }
+
+
+def test_fp16_overflow_skips_exactly_that_step_and_recovers() -> None:
+    hit = run_distributed(_fp16_run, 2, [0, 1, 2, 3, 4], inject_at=2)
+    clean = run_distributed(_fp16_run, 2, [0, 1, 3, 4], inject_at=None)
+    for r in (0, 1):
+        assert hit[r]["overflows"] == 1 and clean[r]["overflows"] == 0
+        assert hit[r]["steps"] == {4.0}  # the optimizer state never saw the skipped step
+        assert hit[r]["scale"] == clean[r]["scale"] == 2.0**16  # hysteresis 2: one overflow does not back off
+        assert_close(hit[r]["params"], clean[r]["params"], rtol=0.0, atol=0.0, name=f"rank {r}")
+
+
+# ---- resharding -------------------------------------------------------------------------------------------------
+def _train_and_save(steps: int) -> dict:
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    opt = ZeroOptimizer(_adamw(model), model=model, config=ZeroConfig(stage=2, bucket_size_mb=BUCKET_MB))
+    for step in range(steps):
+        ids, labels = make_batch(batch_size=8, seq_len=16, vocab_size=64, seed=step)
+        rows = _rows(rank, 0, dp, 8 // dp)
+        opt.backward(TinyTransformer.loss(model(ids[rows]), labels[rows]))
+        opt.step()
+        opt.zero_grad()
+
+    def cpu(d):
+        return {k: (v.tensor.detach().clone(), v.spec) for k, v in d.items()}
+
+    return {"model": cpu(opt.model_sharded_state_dict()), "optim": cpu(opt.sharded_state_dict()),
+            "groups": opt.param_groups_state()}  # fmt: skip
+
+
+def _load_and_continue(full: dict, groups: list, start: int, steps: int) -> list:
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    model.embed.weight.data.normal_()  # garbage: everything must come from the checkpoint
+    opt = ZeroOptimizer(_adamw(model), model=model, config=ZeroConfig(stage=2, bucket_size_mb=BUCKET_MB / 3))
+
+    def read(name: str, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+        return spec.cut(full[name]).to(dtype)
+
+    opt.load_model_sharded_state_dict(read)
+    opt.load_sharded_state_dict(read)
+    opt.load_param_groups_state(groups)
+    out = []
+    for step in range(start, start + steps):
+        ids, labels = make_batch(batch_size=8, seq_len=16, vocab_size=64, seed=step)
+        rows = _rows(rank, 0, dp, 8 // dp)
+        opt.backward(TinyTransformer.loss(model(ids[rows]), labels[rows]))
+        opt.step()
+        opt.zero_grad()
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def test_state_saved_at_dp4_continues_identically_at_dp2() -> None:
+    saved = run_distributed(_train_and_save, 4, 3)
+    pieces: dict[str, list] = {}
+    for rank_state in saved:
+        for part in ("model", "optim"):
+            for name, (tensor, spec) in rank_state[part].items():
+                pieces.setdefault(name, []).append(LocalShard(tensor, spec))
+    full = {name: assemble(p) for name, p in pieces.items()}
+    assert "blocks.0.qkv.bias" in full and "blocks.0.qkv.bias.exp_avg" not in full  # frozen: weights only
+    assert full["head.weight.step"].item() == 3.0
+    got = run_distributed(_load_and_continue, 2, full, saved[0]["groups"], 3, 3)[0]
+    ref = _reference(6, 8)
+    for i, step in enumerate(range(3, 6)):
+        assert_close(got[i], ref[step], rtol=1e-6, atol=1e-7, name=f"params after step {step}")
+
+
+# ---- parameters without gradients -----------------------------------------------------------------------------
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiny = _model()
+        torch.manual_seed(5)
+        self.aux = nn.Linear(32, 32)  # used on rank 0 only (with weight 0), so rank 1 never gets its gradient
+
+
+def _train_with_unused(steps: int) -> dict:
+    rank = dist.get_rank()
+    model = _WithUnused()
+    opt = ZeroOptimizer(_adamw(model), model=model, config=ZeroConfig(stage=2, bucket_size_mb=BUCKET_MB))
+    for step in range(steps):
+        ids, labels = make_batch(batch_size=4, seq_len=16, vocab_size=64, seed=step)
+        for i in range(2):
+            rows = _rows(rank, 0, 2, 2)
+            with opt.no_sync() if i == 0 else contextlib.nullcontext():
+                loss = TinyTransformer.loss(model.tiny(ids[rows]), labels[rows]) / 2
+                if rank == 0:
+                    loss = loss + 0.0 * model.aux(torch.ones(32)).sum()
+                opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.tiny.named_parameters()}
+
+
+def test_unused_and_frozen_parameters_neither_hang_nor_break_buckets() -> None:
+    got = run_distributed(_train_with_unused, 2, 3, timeout=60)
+    ref = _reference(3, 4)[-1]
+    for r in (0, 1):
+        assert_close(got[r], ref, rtol=1e-6, atol=1e-7, name=f"rank {r}")
