@@ -1,0 +1,138 @@
+"""Single-process logic: configuration errors, the loss-scale state machine, layout, full state round trip."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from cai.zero import LossScaleConfig, LowLevelZeroOptimizer, ZeroConfig, ZeroOptimizer
+from cai.zero._loss_scale import DynamicLossScaler
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(stage=3), "stage=3"),
+        (dict(bucket_size_mb=0), "bucket_size_mb=0"),
+        (dict(comm_dtype=torch.int8), "comm_dtype"),
+        (dict(max_norm=-1.0), "max_norm=-1.0"),
+    ],
+)
+def test_zero_config_names_the_bad_value(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(initial_scale=0.5), dict(growth_factor=1.0), dict(backoff_factor=1.0), dict(hysteresis=0)]
+)
+def test_loss_scale_config_rejects(kwargs) -> None:
+    with pytest.raises(ValueError, match="LossScaleConfig"):
+        LossScaleConfig(**kwargs)
+
+
+def test_loss_scaler_hysteresis_backoff_growth_and_bounds() -> None:
+    s = DynamicLossScaler(LossScaleConfig(initial_scale=8.0, growth_interval=2, hysteresis=2, min_scale=2.0, max_scale=16.0))
+    s.update(True)
+    assert s.scale == 8.0  # first overflow absorbed by hysteresis
+    s.update(True)
+    assert s.scale == 4.0
+    s.update(True), s.update(True)
+    assert s.scale == 2.0
+    s.update(True), s.update(True)
+    assert s.scale == 2.0 and s.overflow_count == 6  # min_scale
+    for _ in range(6):
+        s.update(False)
+    assert s.scale == 16.0  # grew every 2 clean steps, capped at max_scale
+    state = s.state_dict()
+    t = DynamicLossScaler(LossScaleConfig())
+    t.load_state_dict(state)
+    assert t.state_dict() == state
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _zero(model: nn.Module, **config) -> ZeroOptimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return ZeroOptimizer(opt, model=model, config=ZeroConfig(bucket_size_mb=64 * 4 / 2**20, **config))
+
+
+def _train(model: nn.Module, opt, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        (opt.backward(loss) if isinstance(opt, ZeroOptimizer) else loss.backward())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_parameters_are_views_of_flat_buckets_and_single_process_matches_torch() -> None:
+    model, ref = _mlp(), _mlp()
+    opt = _zero(model)
+    assert len(opt.buckets) > 1
+    for b in opt.buckets:
+        for s in b.slots:
+            assert s.param.data_ptr() == b.working[s.offset :].data_ptr()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    assert _train(model, opt, range(5)) == _train(ref, ropt, range(5))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_full_state_dict_round_trip_continues_identically() -> None:
+    model = _mlp()
+    opt = _zero(model)
+    _train(model, opt, range(3))
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd["state"]["0.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert sd["state"]["0.weight"]["exp_avg"].shape == (24, 8)
+    assert sd["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    snapshot = copy.deepcopy(model.state_dict())
+    expected = _train(model, opt, range(3, 6))
+
+    model2 = _mlp()
+    model2.load_state_dict(snapshot)
+    opt2 = _zero(model2, stage=1)  # another layout loads the same state
+    opt2.load_state_dict(sd)
+    assert _train(model2, opt2, range(3, 6)) == expected
+
+
+def test_construction_errors_name_the_problem() -> None:
+    model = _mlp()
+    stray = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="not among the model's named parameters"):
+        ZeroOptimizer(torch.optim.SGD([*model.parameters(), stray], lr=0.1), model=model)
+    with pytest.raises(ValueError, match="only for fp16"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_scale=LossScaleConfig())
+    with pytest.raises(ValueError, match="overlap_allgather=True needs the model"):
+        ZeroOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model=list(model.named_parameters()),
+            config=ZeroConfig(overlap_allgather=True),
+        )
+
+
+def test_low_level_zero_optimizer_maps_colossal_names() -> None:
+    model = _mlp().half()
+    opt = LowLevelZeroOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        partition_grad=True,
+        reduce_bucket_size=100,
+        initial_scale=2**10,
+        hysteresis=3,
+        clip_grad_norm=1.0,
+    )
+    assert opt.config.stage == 2 and opt.config.max_norm == 1.0
+    assert opt.config.bucket_numel(torch.float16) == 100
+    assert opt.loss_scale == 2**10 and opt.scaler.config.hysteresis == 3
