@@ -140,7 +140,15 @@ def torch_adam_update(
         grads = torch._foreach_div(grads, grad_scale)
     fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
     same_dtype = all(t.dtype == params[0].dtype for t in params + exp_avgs + exp_avg_sqs)
-    if bias_correction and same_dtype and all(p.device.type in ("cpu", "cuda") for p in params):
+    # torch's fused CPU kernel walks param and grad memory linearly (it makes only the grad contiguous), so a
+    # non-contiguous parameter would be updated with the wrong gradient elements: those take the foreach path.
+    contiguous = all(t.is_contiguous() for t in params + grads + exp_avgs + exp_avg_sqs)
+    if (
+        bias_correction
+        and same_dtype
+        and contiguous
+        and all(p.device.type in ("cpu", "cuda") for p in params)
+    ):
         device = params[0].device
         step_tensors = [
             s.to(device=device, dtype=torch.float32)
