@@ -140,7 +140,8 @@ def main() -> None:
         try:
             results.append(run(name, flags, args, cfg))
         except Exception as exc:  # keep the other rows
-            results.append(Result(config=name, note=f"error: {type(exc).__name__}: {str(exc)[:100]}"))
+            note = f"error: {type(exc).__name__}: {' '.join(str(exc).split())[:100]}"
+            results.append(Result(config=name, note=note))
             gc.collect()
             torch.cuda.empty_cache()
     base = results[0].tokens_per_s
