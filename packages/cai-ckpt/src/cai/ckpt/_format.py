@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
+import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -106,10 +107,8 @@ class SafetensorsWriter:
         raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
         self.path = path
         self._file = open(path, "wb")  # noqa: SIM115 -- closed in close()
-        self._crc = 0
         self._bytes = 0
-        self._hasher = ThreadPoolExecutor(1)  # CRC of chunk i overlaps the write of chunk i+1
-        self._pending = None
+        self._crc = _Crc()  # the CRC of chunk i overlaps the write of chunk i+1
         self._next = 0
         self._delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
         self._put(memoryview(struct.pack("<Q", len(raw)) + raw))
@@ -117,9 +116,7 @@ class SafetensorsWriter:
     def _put(self, mv: memoryview) -> None:
         for i in range(0, len(mv), _CHUNK):
             chunk = mv[i : i + _CHUNK]
-            if self._pending is not None:
-                self._crc = self._pending.result()
-            self._pending = self._hasher.submit(zlib.crc32, chunk, self._crc)
+            self._crc.put(chunk)
             self._file.write(chunk)
             self._bytes += len(chunk)
 
@@ -143,11 +140,35 @@ class SafetensorsWriter:
             raise RuntimeError(
                 f"SafetensorsWriter: {self.path.name} closed after {self._next} of {len(self._order)} tensors"
             )
-        if self._pending is not None:
-            self._crc = self._pending.result()
-        self._hasher.shutdown()
+        crc = self._crc.result()
         self._file.close()
-        return {"bytes": self._bytes, "crc32": self._crc}
+        return {"bytes": self._bytes, "crc32": crc}
+
+
+class _Crc:
+    """CRC32 of a byte stream computed in a helper thread (zlib releases the GIL on large buffers).
+
+    A plain thread rather than an executor: asynchronous saves may still be writing at interpreter exit,
+    when executors refuse new work.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._value = 0
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            self._value = zlib.crc32(chunk, self._value)
+
+    def put(self, chunk: memoryview) -> None:
+        self._queue.put(chunk)
+
+    def result(self) -> int:
+        self._queue.put(None)
+        self._thread.join()
+        return self._value
 
 
 def write_json(path: Path, obj: Any) -> dict[str, int]:
