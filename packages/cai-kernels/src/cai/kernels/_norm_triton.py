@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cai.kernels._tune import pick
+
 
 @triton.jit
 def _norm_fwd_kernel(
@@ -99,18 +101,38 @@ def _norm_bwd_kernel(
         tl.store(DB_PART + pid * N + cols, db_acc, mask=cmask)
 
 
-def _blocks(n: int, target_elems: int) -> tuple[int, int, int]:
+def _warps(elems: int) -> int:
+    return 4 if elems <= 2048 else 8 if elems <= 8192 else 16
+
+
+def _fwd_candidates(n: int) -> list[tuple[int, int]]:
+    """(rows per program, num_warps); the first is the static choice (~4096 elements per program)."""
     block_n = triton.next_power_of_2(n)
-    block_m = max(1, min(16, target_elems // block_n))
-    elems = block_m * block_n
-    num_warps = 4 if elems <= 2048 else 8 if elems <= 8192 else 16
-    return block_m, block_n, num_warps
+    first = max(1, min(16, 4096 // block_n))
+    out = [(first, _warps(first * block_n))]
+    for bm in (1, 2, 4, 8):
+        for w in (4, 8, 16):
+            if bm * block_n <= 16384 and (bm, w) not in out:
+                out.append((bm, w))
+    return out
 
 
-def _num_programs(x: torch.Tensor, m: int, block_m: int) -> int:
+def _bwd_candidates(n: int) -> list[tuple[int, int, int]]:
+    """(rows per iteration, num_warps, programs per SM); the first is the static choice."""
+    block_n = triton.next_power_of_2(n)
+    first = max(1, min(16, 4096 // block_n))
+    out = [(first, _warps(first * block_n), 4)]
+    for bm in sorted({1, first}):
+        for w in (4, 8, 16):
+            for per_sm in (2, 4, 8):
+                if (bm, w, per_sm) not in out:
+                    out.append((bm, w, per_sm))
+    return out
+
+
+def _num_programs(x: torch.Tensor, m: int, block_m: int, per_sm: int) -> int:
     if x.device.type == "cuda":
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        target = sms * 4
+        target = torch.cuda.get_device_properties(x.device).multi_processor_count * per_sm
     else:
         target = 4  # the interpreter runs programs one by one: few programs, many rows each
     return max(1, min(target, triton.cdiv(m, block_m)))
@@ -123,15 +145,20 @@ def norm_fwd(x2d, residual2d, weight, bias, eps, is_rms, out_dtype):
     res_out = torch.empty_like(x2d) if residual2d is not None else None
     rstd = torch.empty(m, dtype=torch.float32, device=x2d.device)
     mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=x2d.device)
-    block_m, block_n, num_warps = _blocks(n, 4096)
-    _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-        x2d, residual2d if residual2d is not None else x2d, weight, bias if bias is not None else weight,
-        y, res_out if res_out is not None else y, mean if mean is not None else rstd, rstd,
-        m, n, x2d.stride(0), residual2d.stride(0) if residual2d is not None else 0, y.stride(0),
-        res_out.stride(0) if res_out is not None else 0, eps,
-        IS_RMS=is_rms, HAS_RES=residual2d is not None, HAS_B=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+
+    def run(cfg):
+        block_m, num_warps = cfg
+        _norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x2d, residual2d if residual2d is not None else x2d, weight, bias if bias is not None else weight,
+            y, res_out if res_out is not None else y, mean if mean is not None else rstd, rstd,
+            m, n, x2d.stride(0), residual2d.stride(0) if residual2d is not None else 0, y.stride(0),
+            res_out.stride(0) if res_out is not None else 0, eps,
+            IS_RMS=is_rms, HAS_RES=residual2d is not None, HAS_B=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=triton.next_power_of_2(n), num_warps=num_warps,
+        )  # fmt: skip
+
+    key = ("norm_fwd", is_rms, residual2d is not None, bias is not None, n, x2d.dtype, out_dtype, m >= 4096)
+    run(pick(key, _fwd_candidates(n), run, x2d.device))
     return y, res_out, mean, rstd
 
 
@@ -139,19 +166,25 @@ def norm_bwd(x2d, weight, bias, dy2d, dres2d, mean, rstd, is_rms, dx_dtype):
     """Returns dx (M, N), dw (N,) fp32, db (N,) fp32 or None."""
     m, n = x2d.shape
     dx = torch.empty((m, n), dtype=dx_dtype, device=x2d.device)
-    block_m, block_n, num_warps = _blocks(n, 4096)
-    grid = _num_programs(x2d, m, block_m)
-    rows_per_program = triton.cdiv(m, grid)
-    dw_part = torch.empty((grid, n), dtype=torch.float32, device=x2d.device)
-    db_part = torch.empty((grid, n), dtype=torch.float32, device=x2d.device) if bias is not None else None
-    _norm_bwd_kernel[(grid,)](
-        x2d, weight, dy2d, dres2d if dres2d is not None else dy2d, dx,
-        mean if mean is not None else rstd, rstd, dw_part, db_part if db_part is not None else dw_part,
-        m, n, x2d.stride(0), dy2d.stride(0), dres2d.stride(0) if dres2d is not None else 0, dx.stride(0),
-        rows_per_program,
-        IS_RMS=is_rms, HAS_DRES=dres2d is not None, HAS_B=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
-    dw = dw_part.sum(0)
-    db = db_part.sum(0) if db_part is not None else None
+    parts = {}
+
+    def run(cfg):
+        block_m, num_warps, per_sm = cfg
+        grid = _num_programs(x2d, m, block_m, per_sm)
+        dw_part = torch.empty((grid, n), dtype=torch.float32, device=x2d.device)
+        db_part = torch.empty((grid, n), dtype=torch.float32, device=x2d.device) if bias is not None else None
+        _norm_bwd_kernel[(grid,)](
+            x2d, weight, dy2d, dres2d if dres2d is not None else dy2d, dx,
+            mean if mean is not None else rstd, rstd, dw_part, db_part if db_part is not None else dw_part,
+            m, n, x2d.stride(0), dy2d.stride(0), dres2d.stride(0) if dres2d is not None else 0, dx.stride(0),
+            triton.cdiv(m, grid),
+            IS_RMS=is_rms, HAS_DRES=dres2d is not None, HAS_B=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=triton.next_power_of_2(n), num_warps=num_warps,
+        )  # fmt: skip
+        parts["dw"], parts["db"] = dw_part, db_part
+
+    key = ("norm_bwd", is_rms, dres2d is not None, bias is not None, n, x2d.dtype, dy2d.dtype, m >= 4096)
+    run(pick(key, _bwd_candidates(n), run, x2d.device))
+    dw = parts["dw"].sum(0)
+    db = parts["db"].sum(0) if parts["db"] is not None else None
     return dx, dw, db

@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from cai.kernels._dispatch import use_triton
+from cai.kernels._tune import pick
 
-_BLOCK = 4096  # elements per program: wide enough to stream at copy bandwidth, small enough for registers
+# (elements per program, num_warps); the first is the static choice, the rest are timed once per shape on CUDA.
+_CANDIDATES = [(4096, 8), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (8192, 8), (8192, 16)]
 
 
 @functools.cache
@@ -54,7 +56,11 @@ class _SwiGLUFunction(torch.autograd.Function):
         a, b = gate.contiguous(), up.contiguous()
         c = torch.empty_like(a)
         n = a.numel()
-        fwd[(triton.cdiv(n, _BLOCK),)](a, b, c, n, BLOCK=_BLOCK, num_warps=8)
+
+        def run(cfg):
+            fwd[(triton.cdiv(n, cfg[0]),)](a, b, c, n, BLOCK=cfg[0], num_warps=cfg[1])
+
+        run(pick(("swiglu_fwd", a.dtype, n >= 2**20), _CANDIDATES, run, a.device))
         ctx.save_for_backward(a, b)
         return c
 
@@ -67,7 +73,11 @@ class _SwiGLUFunction(torch.autograd.Function):
         dc = dc.contiguous()
         da, db = torch.empty_like(a), torch.empty_like(b)
         n = a.numel()
-        bwd[(triton.cdiv(n, _BLOCK),)](a, b, dc, da, db, n, BLOCK=_BLOCK, num_warps=8)
+
+        def run(cfg):
+            bwd[(triton.cdiv(n, cfg[0]),)](a, b, dc, da, db, n, BLOCK=cfg[0], num_warps=cfg[1])
+
+        run(pick(("swiglu_bwd", a.dtype, dc.dtype, n >= 2**20), _CANDIDATES, run, a.device))
         return da, db
 
 
