@@ -19,6 +19,7 @@ import io
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import sys
 import time
@@ -47,8 +48,7 @@ class _Task:
     module: str
     file: str | None
     qualname: str
-    args: tuple
-    kwargs: dict
+    payload: bytes  # pickled (args, kwargs): unpickled only after the test module is imported
     key: str
     seed: int
     timeout: float
@@ -121,6 +121,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                 fn = _resolve(task)
+                args, kwargs = pickle.loads(task.payload)
                 store.set_timeout(timedelta(seconds=max(task.timeout, 1.0)))
                 dist.init_process_group(
                     "gloo",
@@ -131,7 +132,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results
                 )
                 try:
                     _seed_all(task.seed)
-                    value = fn(*task.args, **task.kwargs)
+                    value = fn(*args, **kwargs)
                 except BaseException as e:
                     e._cai_failed_at = time.time()  # before tearing down the group, which fails the peers too
                     raise
@@ -278,8 +279,7 @@ def run_distributed(
         module=fn.__module__,
         file=getattr(module, "__file__", None),
         qualname=fn.__qualname__,
-        args=args,
-        kwargs=kwargs,
+        payload=pickle.dumps((args, kwargs)),
         key=f"task{next(_TASK_IDS)}/",
         seed=seed,
         timeout=timeout,
