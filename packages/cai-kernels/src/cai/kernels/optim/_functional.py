@@ -137,7 +137,7 @@ def torch_adam_update(
     if (
         grad_scale is not None
     ):  # out of place: torch's fused kernel would write the unscaled values into grads
-        grads = torch._foreach_div(grads, grad_scale)
+        grads = list(torch._foreach_div(grads, grad_scale))
     fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
     same_dtype = all(t.dtype == params[0].dtype for t in params + exp_avgs + exp_avg_sqs)
     # torch's fused CPU kernel walks param and grad memory linearly (it makes only the grad contiguous), so a
@@ -165,7 +165,7 @@ def torch_adam_update(
         if adamw_mode:
             torch._foreach_mul_(params, 1.0 - lr * weight_decay)
         else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+            grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)

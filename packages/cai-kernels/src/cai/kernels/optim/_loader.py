@@ -6,6 +6,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import subprocess
 import sys
 import threading
 import warnings
@@ -35,13 +36,14 @@ _warned = False
 
 
 def find_source_dir() -> Path | None:
-    """The cpu_adam sources: inside the installed wheel (`cai/kernels/_csrc/cpu_adam`), else in the checkout."""
-    here = Path(__file__).resolve()
-    packaged = here.parents[1] / "_csrc" / "cpu_adam"
+    """The cpu_adam sources: `cai/kernels/optim/_csrc/cpu_adam` in the installed package (in the checkout that
+    folder is a symlink to kernels/cpu_adam, which the wheel and sdist builds copy as files), else the
+    repository's kernels/cpu_adam above this file."""
+    here = Path(__file__).absolute()
+    packaged = here.parent / "_csrc" / "cpu_adam"
     if (packaged / _SOURCE_NAME).is_file():
         return packaged
-    # Editable install: packages/cai-kernels/src/cai/kernels/optim/_loader.py -> repository root/kernels.
-    for parent in here.parents:
+    for parent in here.resolve().parents:
         candidate = parent / "kernels" / "cpu_adam"
         if (candidate / _SOURCE_NAME).is_file():
             return candidate
@@ -95,15 +97,19 @@ def _build(flags: list[str] | None = None) -> NativeAdam:
     key = _build_key(source.read_bytes(), flags)
     build_dir = cache_root() / "cpu_adam" / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    path = cpp_extension.load(
-        name=f"cai_cpu_adam_{key}",
-        sources=[str(source)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
+    name = f"cai_cpu_adam_{key}"
+    if cpp_extension.is_ninja_available():
+        path = cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    else:
+        path = _build_without_ninja(source, build_dir / f"{name}.so", flags)
     lib = ctypes.CDLL(str(path))
     isa_fn = lib.cai_cpu_adam_isa
     isa_fn.restype = ctypes.c_char_p
@@ -113,6 +119,24 @@ def _build(flags: list[str] | None = None) -> NativeAdam:
     fn.argtypes += [f32] * 7 + [ctypes.c_int] + [f32] * 3 + [ctypes.c_int]
     fn.restype = ctypes.c_int
     return NativeAdam(step=fn, isa=isa_fn().decode(), path=str(path))
+
+
+def _build_without_ninja(source: Path, target: Path, flags: list[str]) -> Path:
+    """The library includes no torch headers, so one compiler call builds it where ninja is missing."""
+    if target.is_file():
+        return target
+    cxx = os.environ.get("CXX", "c++")
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, *flags, "-shared", "-fPIC", str(source), "-o", str(tmp)]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except FileNotFoundError as e:
+        raise RuntimeError(f"no C++ compiler ({cxx}) and no ninja") from e
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"{cxx} failed: {tail}")
+    os.replace(tmp, target)  # atomic: concurrent ranks building the same key never load a partial file
+    return target
 
 
 def native_adam() -> NativeAdam | None:
