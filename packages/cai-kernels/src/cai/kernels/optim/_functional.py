@@ -153,7 +153,7 @@ def torch_adam_update(
         step_tensors = [
             s.to(device=device, dtype=torch.float32)
             if isinstance(s, torch.Tensor)
-            else torch.tensor(float(s), dtype=torch.float32, device=device)
+            else torch.full((), float(s), dtype=torch.float32, device=device)  # a fill kernel: no host sync
             for s in steps
         ]
         fused(
