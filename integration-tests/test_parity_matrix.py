@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cai.mesh import LocalShard, assemble
 from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -37,7 +38,7 @@ class Case:
         return f"{self.plugin}-dp{self.dp}-{self.mode}"
 
 
-PLUGINS = ("ddp", "fsdp", "zero1", "zero2")
+PLUGINS = ("ddp", "fsdp", "zero1", "zero2", "gemini")
 CASES = [
     Case(plugin=p, dp=dp, mode=m) for p in PLUGINS for dp in (1, 2, 4) for m in ("plain", "accum", "clip")
 ]
@@ -88,11 +89,19 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = t.detach().float().cpu().clone()
-    return out
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
+def gathered_params(booster, model) -> dict[str, torch.Tensor]:
+    """Every parameter assembled from all ranks' pieces of the plugin's state (the checkpoint's source of truth)."""
+    pieces = {
+        n: (s.tensor.detach().float().cpu().clone(), s.spec)
+        for n, s in booster.plugin.model_state(model).sharded_state_dict().items()
+    }
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    names = {n for n, _ in model.unwrap().named_parameters()}
+    return {n: assemble([LocalShard(*r[n]) for r in everyone if n in r]) for n in names}
 
 
 def reference_run(mode: str, micro: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -146,7 +155,7 @@ def boosted_run(case: Case) -> dict:
         opt.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    params = full_params(model.unwrap())
+    params = gathered_params(booster, model)
     assert_close(
         torch.tensor(losses, dtype=torch.float64),
         torch.tensor(ref_losses, dtype=torch.float64),

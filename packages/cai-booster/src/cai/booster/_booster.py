@@ -14,7 +14,7 @@ from torch import nn
 
 from cai.booster._lazy import is_lazy, pretrained_path
 from cai.booster._precision import MixedPrecision, mixed_precision_factory
-from cai.booster._state import init_optimizer_state
+from cai.booster._state import LoadView
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
 from cai.booster.plugin import PLUGINS, BoostContext, Plugin, TorchDDPPlugin
 
@@ -218,7 +218,7 @@ class Booster:
         """Load a checkpoint saved under any plugin and layout (or a Hugging Face safetensors directory)."""
         import cai.ckpt
 
-        cai.ckpt.load_model(self.plugin.model_state(model), checkpoint, strict=strict)
+        cai.ckpt.load_model(LoadView(self.plugin.model_state(model)), checkpoint, strict=strict)
 
     def save_optimizer(
         self,
@@ -341,13 +341,16 @@ class Booster:
                 "state can be saved by parameter name"
             )
         state = self.plugin.optimizer_state(optimizer, model)
-        if for_load and isinstance(optimizer.unwrap(), torch.optim.Optimizer):
-            init_optimizer_state(optimizer.unwrap())
+        if for_load:
+            # The loader checks keys before loading, so the per-parameter state must exist already.
+            self.plugin.prepare_optimizer_load(optimizer)
+            return LoadView(state)
         return state
 
 
 def _scaler(optimizer: OptimizerWrapper | None) -> Any:
-    return getattr(optimizer, "scaler", None) if optimizer is not None else None
+    scaler = getattr(optimizer, "scaler", None) if optimizer is not None else None
+    return scaler if hasattr(scaler, "state_dict") else None
 
 
 def _check_prefix(prefix: str | None) -> None:

@@ -187,3 +187,43 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         g["lr"] = lr
     for p, grad in zip(params, saved_grads):
         p.grad = grad
+
+
+class LoadView:
+    """A state-protocol object seen by a checkpoint loader, with every key of the whole group present.
+
+    A sharded object reports only the pieces its rank holds (ZeRO: a small tensor may lie entirely on another
+    rank), but the loader checks the checkpoint's keys against the object's. The union of keys over the ranks
+    (one ``all_gather_object``) is reported here, keys held elsewhere as empty pieces; loading still asks
+    exactly for the local pieces.
+    """
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def sharded_state_dict(self) -> dict[str, LocalShard]:
+        import torch.distributed as dist
+
+        local = dict(self.obj.sharded_state_dict())
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return local
+        shapes = {k: s.spec.global_shape for k, s in local.items()}
+        everyone: list[dict[str, tuple[int, ...]]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, shapes)
+        for other in everyone:
+            for name, shape in other.items():
+                if name not in local:
+                    spec = (
+                        ShardSpec(global_shape=shape, flat_range=(0, 0)) if shape else ShardSpec.full(shape)
+                    )
+                    local[name] = LocalShard(torch.empty(0), spec)
+        return local
+
+    def load_sharded_state_dict(self, read: Read) -> None:
+        self.obj.load_sharded_state_dict(read)
+
+    def param_groups_state(self) -> list[dict[str, Any]]:
+        return self.obj.param_groups_state()
+
+    def load_param_groups_state(self, groups: list[dict[str, Any]]) -> None:
+        self.obj.load_param_groups_state(groups)

@@ -1,11 +1,12 @@
 """Plugins: one parallel strategy each, composed from the cai packages' functions and typed configs."""
 
 from cai.booster.plugin._base import BoostContext, Capabilities, DPPluginBase, Plugin
+from cai.booster.plugin._gemini import GeminiPlugin
 from cai.booster.plugin._low_level_zero import LowLevelZeroPlugin
 from cai.booster.plugin._torch_ddp import DDPConfig, TorchDDPPlugin
 from cai.booster.plugin._torch_fsdp import FSDPConfig, TorchFSDPPlugin
 
-PLUGINS: tuple[type[Plugin], ...] = (TorchDDPPlugin, TorchFSDPPlugin, LowLevelZeroPlugin)
+PLUGINS: tuple[type[Plugin], ...] = (TorchDDPPlugin, TorchFSDPPlugin, LowLevelZeroPlugin, GeminiPlugin)
 
 __all__ = [
     "PLUGINS",
@@ -14,6 +15,7 @@ __all__ = [
     "DDPConfig",
     "DPPluginBase",
     "FSDPConfig",
+    "GeminiPlugin",
     "LowLevelZeroPlugin",
     "Plugin",
     "TorchDDPPlugin",

@@ -130,6 +130,12 @@ class Plugin(ABC):
 
         return OptimizerState(optimizer.unwrap(), model.unwrap())
 
+    def prepare_optimizer_load(self, optimizer: OptimizerWrapper) -> None:
+        """Create the optimizer's per-parameter state before a checkpoint is loaded (the loader checks keys first)."""
+        from cai.booster._state import init_optimizer_state
+
+        init_optimizer_state(optimizer.unwrap())
+
     def default_device(self) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -176,6 +176,12 @@ class LowLevelZeroPlugin(DPPluginBase):
     def optimizer_state(self, optimizer: OptimizerWrapper, model: ModelWrapper) -> Any:
         return optimizer.unwrap()
 
+    def prepare_optimizer_load(self, optimizer: OptimizerWrapper) -> None:
+        # cai-zero creates its state lazily; its loader does the same, but only after the key check.
+        from cai.zero._state import _ensure_state
+
+        _ensure_state(optimizer.unwrap())
+
 
 class ZeroOptimizerWrapper(OptimizerWrapper):
     """The boosted optimizer over a ``ZeroOptimizer``: gradients live in its buckets, not in ``param.grad``."""
