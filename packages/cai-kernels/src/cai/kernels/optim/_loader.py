@@ -9,6 +9,7 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 FALLBACK_ENV = "CAI_KERNELS_FALLBACK"
 CACHE_ENV = "CAI_KERNELS_CACHE"
 _SOURCE_NAME = "cpu_adam.cpp"
+_STALE_LOCK_S = 300  # the build takes seconds; a lock this old belongs to a dead process
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +92,7 @@ def _build(flags: list[str] | None = None) -> NativeAdam:
     src_dir = find_source_dir()
     if src_dir is None:
         raise RuntimeError(
-            "cpu_adam.cpp not found (neither in the wheel's cai/kernels/_csrc nor in a checkout)"
+            "cpu_adam.cpp not found (neither in cai/kernels/optim/_csrc nor in a checkout's kernels/)"
         )
     source = src_dir / _SOURCE_NAME
     flags = _compile_flags() if flags is None else flags
@@ -98,7 +100,14 @@ def _build(flags: list[str] | None = None) -> NativeAdam:
     build_dir = cache_root() / "cpu_adam" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     name = f"cai_cpu_adam_{key}"
-    if cpp_extension.is_ninja_available():
+    cached = build_dir / f"{name}.so"
+    lock = build_dir / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        # A build killed half-way leaves torch's lock behind, and every later load would wait on it forever.
+        lock.unlink(missing_ok=True)
+    if cached.is_file() and not lock.exists():  # built and complete (torch holds the lock while it builds)
+        path = cached
+    elif cpp_extension.is_ninja_available():
         path = cpp_extension.load(
             name=name,
             sources=[str(source)],
