@@ -26,7 +26,7 @@ from cai.ckpt._load import CheckpointReader
 from cai.ckpt._optim import TorchOptimizerAdapter
 from cai.ckpt._plan import local_metadata
 from cai.ckpt._save import full_state, join, write_sharded
-from cai.ckpt._txn import Transaction, finish, wait
+from cai.ckpt._txn import IO_THREADS, Transaction, finish, run_parallel, wait
 from cai.mesh import LocalShard, ShardSpec
 
 
@@ -249,9 +249,14 @@ def prepare_model_load(target: Any, path: Path, *, strict: bool, verify: bool) -
                 target.load_sharded_state_dict(reader.read)
 
         return apply
-    if not isinstance(target, nn.Module):
-        raise TypeError(f"cannot load a model checkpoint into {type(target).__name__}")
-    sd = target.state_dict()
+    if isinstance(target, nn.Module):
+        sd = target.state_dict()
+    elif isinstance(target, dict) and all(isinstance(v, torch.Tensor) for v in target.values()):
+        sd = target  # loaded in place
+    else:
+        raise TypeError(
+            f"cannot load a model checkpoint into {type(target).__name__}: pass an nn.Module, a dict of tensors or a state-protocol object"
+        )
     tied = set(local_metadata(full_state(sd))["aliases"])  # stored once; loading the other name fills it
     reader.check({k: tuple(v.shape) for k, v in sd.items()}, strict=strict, optional=tied)
     stored = reader.names()
@@ -259,11 +264,22 @@ def prepare_model_load(target: Any, path: Path, *, strict: bool, verify: bool) -
         if k in stored:
             reader.header(k)  # every file's header is validated before anything is copied
 
+    by_file: dict[str, list[str]] = {}
+    for k in sd:
+        if k in stored:
+            by_file.setdefault(reader.file_of(k), []).append(k)
+
+    def load_file(keys: list[str]) -> None:
+        with torch.no_grad():
+            for k in keys:
+                v = sd[k]
+                v.copy_(
+                    reader.read(k, ShardSpec.full(v.shape), v.dtype if v.dtype.is_floating_point else None)
+                )
+
     def apply() -> None:
-        with reader, torch.no_grad():
-            for k, v in sd.items():
-                if k in stored:
-                    v.copy_(reader.read(k, ShardSpec.full(v.shape), v.dtype))
+        with reader:
+            run_parallel([lambda keys=keys: load_file(keys) for keys in by_file.values()], IO_THREADS)
 
     return apply
 

@@ -141,6 +141,8 @@ class SafetensorsWriter:
                 f"SafetensorsWriter: {self.path.name} closed after {self._next} of {len(self._order)} tensors"
             )
         crc = self._crc.result()
+        self._file.flush()
+        os.fsync(self._file.fileno())  # durable before the commit marker says so
         self._file.close()
         return {"bytes": self._bytes, "crc32": crc}
 
@@ -206,6 +208,11 @@ def _looks_like_pickle(head: bytes) -> bool:
 
 def read_header(path: Path) -> dict[str, dict[str, Any]]:
     """Parse and validate a safetensors header; a damaged, truncated or foreign file raises CheckpointError naming it."""
+    return read_header_and_start(path)[0]
+
+
+def read_header_and_start(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """``read_header`` plus the byte offset where the data section starts."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -247,4 +254,19 @@ def read_header(path: Path) -> dict[str, dict[str, Any]]:
         raise CheckpointError(
             f"{path} is truncated: its header needs {end} data bytes, the file holds {data}"
         )
-    return header
+    return header, 8 + n
+
+
+def read_into(path: Path, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor ``out`` with the bytes at ``offset`` (plain reads release the GIL)."""
+    if not out.numel():
+        return
+    mv = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        done = 0
+        while done < len(mv):
+            n = f.readinto(mv[done:])
+            if not n:
+                raise CheckpointError(f"{path} ended early while reading (it was truncated during the load)")
+            done += n

@@ -8,6 +8,7 @@ raises without leaving the model or optimizer half-loaded.
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from cai.ckpt._format import (
     dtype_from_name,
     file_crc32,
     read_header,
+    read_header_and_start,
+    read_into,
     read_json,
 )
 from cai.mesh import ShardSpec
@@ -67,6 +70,7 @@ class CheckpointReader:
                 f"{self.dir} holds no {index_name}{' or ' + single_name if single_name else ''} (found: {_fmt(found) or 'nothing'}){hint}"
             )
         self._headers: dict[str, dict] = {}
+        self._starts: dict[str, int] = {}
         self._handles: dict[str, Any] = {}
 
     # ---- names -------------------------------------------------------------------------------------------
@@ -82,7 +86,7 @@ class CheckpointReader:
         if fname not in self._headers:
             path = self.dir / fname
             self._check_file(path)
-            self._headers[fname] = read_header(path)
+            self._headers[fname], self._starts[fname] = read_header_and_start(path)
         header = self._headers[fname]
         if name not in header:
             raise CheckpointError(
@@ -146,6 +150,23 @@ class CheckpointReader:
             )
         real = self.resolve(name)
         fname = self.weight_map[real]
+        stored = dtype_from_name(info["dtype"])
+        want = dtype or stored
+        region_slices = spec.read_region()
+        shape = spec.global_shape
+        if all(sl.start == 0 and sl.stop == n for sl, n in zip(region_slices[1:], shape[1:])):
+            # Whole tensors and row ranges (flat ZeRO pieces, dim-0 blocks) are one contiguous byte range, read
+            # straight from the file: no mmap, and the GIL is released, so several files load in parallel.
+            rows = region_slices[0] if shape else slice(0, 1)
+            row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=stored).element_size()
+            region = torch.empty((rows.stop - rows.start, *shape[1:]) if shape else (), dtype=stored)
+            read_into(
+                self.dir / fname,
+                self._starts[fname] + info["data_offsets"][0] + rows.start * row_bytes,
+                region,
+            )
+            local = spec.cut_region(region)
+            return local.to(want) if local.dtype != want else local
         handle = self._handles.get(fname)
         if handle is None:
             try:
@@ -153,15 +174,14 @@ class CheckpointReader:
             except Exception as e:
                 raise CheckpointError(f"cannot open {self.dir / fname}: {e}") from None
         try:
-            if not spec.global_shape or (spec.is_full and spec.flat_range is None):
-                region = handle.get_tensor(real)
-            else:
-                region = handle.get_slice(real)[spec.read_region()]
+            region = handle.get_slice(real)[spec.read_region()]
         except Exception as e:
             raise CheckpointError(f"cannot read {real!r} from {self.dir / fname}: {e}") from None
         local = spec.cut_region(region)
-        want = dtype or dtype_from_name(info["dtype"])
         return local.to(want) if local.dtype != want else local
+
+    def file_of(self, name: str) -> str:
+        return self.weight_map[self.resolve(name)]
 
     def close(self) -> None:
         self._handles.clear()

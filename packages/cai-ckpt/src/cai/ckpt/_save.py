@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from cai.ckpt._format import SafetensorsWriter, dtype_from_name, write_json
 from cai.ckpt._plan import FilePlan, local_metadata, make_plan
-from cai.ckpt._txn import Transaction, global_rank
+from cai.ckpt._txn import IO_THREADS, Transaction, global_rank, run_parallel
 from cai.mesh import LocalShard, ShardSpec
 
 # Host buffers of asynchronous saves, reused from one save to the next (pinned when CUDA is present).
@@ -76,13 +76,19 @@ def write_sharded(
                     sends.append((dist.isend(piece, dst=global_rank(group, f.owner), group=group), piece))
 
     mine = [f for f in files if f.owner == rank]
+    local_only = all(
+        src == rank or not spec.numel for f in mine for t in f.tensors for src, spec in t.sources
+    )
+    jobs = []
     for f in mine:
         tensors = ((t.name, _assemble(t, state, metas, rank, group, comm_device)) for t in f.tensors)
         if use_async:
             snapshot = [(n, _host_copy((subdir, n), x)) for n, x in tensors]
             txn.jobs.append(lambda f=f, snapshot=snapshot: _write_file(txn, subdir, f, snapshot))
         else:
-            _write_file(txn, subdir, f, tensors)
+            jobs.append(lambda f=f, tensors=tensors: _write_file(txn, subdir, f, tensors))
+    # Receives must follow the plan's order, so only files that need no pieces from other ranks go in parallel.
+    run_parallel(jobs, IO_THREADS if local_only else 1)
     if use_async and torch.cuda.is_available():
         torch.cuda.synchronize()  # the non_blocking device-to-host copies must land before the writer reads them
     for work, _ in sends:
