@@ -6,8 +6,8 @@
 //
 // [Note: one rounding order everywhere]
 // The vector bodies (AVX-512, AVX2) and the scalar body compute exactly the same sequence of IEEE operations
-// (no FMA: the file is built with -ffp-contract=off), so a result never depends on which elements landed in a
-// vector body or in a tail, i.e. on the thread count or on the ISA of the machine.
+// (FMAs only where written explicitly; the file is built with -ffp-contract=off), so a result never depends on
+// which elements landed in a vector body or in a tail, i.e. on the thread count or on the ISA of the machine.
 //
 //   g  = grad / grad_scale                    (a loss scale, or 1)
 //   Adam:  g = fma(p, weight_decay, g)          AdamW: p = p * (1 - lr * weight_decay)
@@ -16,8 +16,7 @@
 //   p  = p - (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
 // This follows torch's fused CPU Adam (its lerp, and the FMAs its vector code compiles to), and every
 // coefficient (1 - beta1, 1 - lr * weight_decay, ...) is computed by the caller in double and rounded once to
-// float as torch does, so results track torch's to within a few ulp. FMAs are explicit (std::fma and the
-// fmadd intrinsics); nothing else is contracted.
+// float as torch does, so results track torch's to within a few ulp.
 //
 // bf16 output rounds to nearest even (NaN becomes 0x7FC0), like torch's `.to(torch.bfloat16)`; fp16 output
 // uses the hardware conversion (F16C) in round-to-nearest-even mode, like torch's `.to(torch.float16)`.
@@ -240,8 +239,8 @@ const char* kIsa = "scalar";
 template <int G, int O, bool kStream>
 int64_t adam_vector(float* p, const void* g, float* m, float* v, void* o, int64_t i, int64_t end, const Hyper& h) {
 #ifdef CAI_HAVE_VECTOR
-  const VF beta1 = vset(h.beta1), beta2 = vset(h.beta2), omb1 = vset(h.one_minus_beta1),
-           omb2 = vset(h.one_minus_beta2), neg_beta1 = vset(-h.beta1), eps = vset(h.eps), wd = vset(h.weight_decay), decay = vset(h.decay),
+  const VF beta2 = vset(h.beta2), omb1 = vset(h.one_minus_beta1), omb2 = vset(h.one_minus_beta2),
+           neg_beta1 = vset(-h.beta1), eps = vset(h.eps), wd = vset(h.weight_decay), decay = vset(h.decay),
            step_size = vset(h.step_size), bc2_sqrt = vset(h.bc2_sqrt), grad_scale = vset(h.grad_scale);
   for (; i + kWidth <= end; i += kWidth) {
     VF gi = vdiv(vload_grad<G>(g, i), grad_scale);
@@ -271,7 +270,7 @@ int64_t adam_vector(float* p, const void* g, float* m, float* v, void* o, int64_
 }
 
 // Ranges at least this long write the copy-out buffer with non-temporal stores: the CPU never reads it again
-// (it goes to the GPU), so skipping the read-for-ownership saves a third of its traffic and keeps the cache
+// (it goes to the GPU), so skipping the read-for-ownership halves that buffer's traffic and keeps the cache
 // for param/exp_avg/exp_avg_sq. Shorter ranges may still be in cache when the copy reads them.
 constexpr int64_t kStreamMin = 1 << 16;
 
@@ -299,7 +298,8 @@ void adam_range(float* p, const void* g, float* m, float* v, void* o, int64_t be
 
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kMinPerThread = 1 << 15;
-// Threads split the tensor into cache-line-aligned contiguous ranges (16 floats = 64 bytes).
+// Threads split the tensor into contiguous ranges whose lengths are multiples of 16 elements (a 64-byte line of
+// fp32), so neighbouring threads share no cache line when the tensors are line-aligned (torch's are).
 constexpr int64_t kAlign = 16;
 
 template <int G, int O>

@@ -141,33 +141,43 @@ def test_result_does_not_depend_on_thread_count(native):
                                b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))  # fmt: skip
 
 
-def test_scalar_build_matches_vector_build_bitwise(native, tmp_path, monkeypatch):
-    """The portable body (no AVX, software fp16) computes exactly what the vector body computes."""
+# Other bodies of the same source, built for an older x86 CPU: the portable scalar body (software fp16
+# conversion, libm fma) always, and the AVX2 body where this CPU runs it and the native build is AVX-512.
+_OTHER_BUILDS = [("scalar", "-march=x86-64")]
+if " avx2" in _loader._cpu_signature() and " avx512f" in _loader._cpu_signature():
+    _OTHER_BUILDS.append(("avx2", "-march=haswell"))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize(("isa", "march"), _OTHER_BUILDS, ids=[isa for isa, _ in _OTHER_BUILDS])
+def test_other_isa_builds_match_native_build_bitwise(native, tmp_path, monkeypatch, isa, march):
+    """Every body computes exactly what the native body computes (see the Note in cpu_adam.cpp)."""
     monkeypatch.setenv(_loader.CACHE_ENV, str(tmp_path))
-    scalar = _loader._build(
-        flags=["-O2", "-std=c++17", "-fopenmp", "-march=x86-64", "-ffp-contract=off", "-w"]
-    )
-    assert scalar.isa == "scalar" and native.isa != "scalar"
+    other = _loader._build(flags=["-O2", "-std=c++17", "-fopenmp", march, "-ffp-contract=off", "-w"])
+    assert other.isa == isa and native.isa != isa
     gen = torch.Generator().manual_seed(4)
-    n = 4099
-    p0 = torch.cat(
-        [torch.randn(n - 32, generator=gen), _special_values().abs().clamp(max=6e4), -_special_values()]
-    )
-    for grad_dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for out_dtype in (torch.bfloat16, torch.float16):
-            g = torch.randn(n, generator=gen).to(grad_dtype)
-            states = []
-            for lib in (native, scalar):
-                p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
-                out = torch.empty(n, dtype=out_dtype)
-                rc = lib.step(p.data_ptr(), g.data_ptr(), _grad_code(grad_dtype), m.data_ptr(), v.data_ptr(),
-                              out.data_ptr(), _grad_code(out_dtype), n, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 1,
-                              0.05, 0.03, 1.0, 2)  # fmt: skip
-                assert rc == 0
-                states.append((p, m, v, out))
-            for a, b in zip(*states):
-                assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                                   b.view(torch.int16 if b.element_size() == 2 else torch.int32)), (grad_dtype, out_dtype)  # fmt: skip
+    n = 2 * 65536 + 4099  # two threads, each long enough for the streaming stores, plus tails
+    specials = _special_values()
+    p0 = torch.cat([torch.randn(n - 32, generator=gen), specials.abs().clamp(max=6e4), -specials])
+    variants = [(gd, od, adamw, beta1) for gd in (torch.float32, torch.bfloat16, torch.float16)
+                for od in (torch.bfloat16, torch.float16) for adamw in (0, 1) for beta1 in (0.9, 0.3)]  # fmt: skip
+    for grad_dtype, out_dtype, adamw, beta1 in variants:
+        g = torch.randn(n, generator=gen).to(grad_dtype)
+        states = []
+        for lib in (native, other):
+            p, m, v = p0.clone(), torch.randn(n, generator=torch.Generator().manual_seed(9)), torch.ones(n)
+            out = torch.empty(n, dtype=out_dtype)
+            # beta1, beta2, 1-beta1, 1-beta2, eps, wd, 1-lr*wd, adamw, step_size, bc2_sqrt, grad_scale, threads
+            rc = lib.step(p.data_ptr(), g.data_ptr(), _grad_code(grad_dtype), m.data_ptr(), v.data_ptr(),
+                          out.data_ptr(), _grad_code(out_dtype), n, beta1, 0.999, 1 - beta1, 0.001, 1e-8, 0.1,
+                          1 - 0.05 * 0.1, adamw, 0.05, 0.03, 2.0, 2)  # fmt: skip
+            assert rc == 0
+            states.append((p, m, v, out))
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "out"), *states):
+            assert torch.equal(_bits(a), _bits(b)), (name, grad_dtype, out_dtype, adamw, beta1)
 
 
 def _grad_code(dtype: torch.dtype) -> int:

@@ -134,21 +134,16 @@ def torch_adam_update(
     if not params:
         return
     grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
-    if (
-        grad_scale is not None
-    ):  # out of place: torch's fused kernel would write the unscaled values into grads
+    if grad_scale is not None:
+        # Out of place: torch's fused kernel would write the unscaled values back into the caller's grads.
         grads = list(torch._foreach_div(grads, grad_scale))
     fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
     same_dtype = all(t.dtype == params[0].dtype for t in params + exp_avgs + exp_avg_sqs)
     # torch's fused CPU kernel walks param and grad memory linearly (it makes only the grad contiguous), so a
     # non-contiguous parameter would be updated with the wrong gradient elements: those take the foreach path.
     contiguous = all(t.is_contiguous() for t in params + grads + exp_avgs + exp_avg_sqs)
-    if (
-        bias_correction
-        and same_dtype
-        and contiguous
-        and all(p.device.type in ("cpu", "cuda") for p in params)
-    ):
+    on_fused_device = all(p.device.type in ("cpu", "cuda") for p in params)
+    if bias_correction and same_dtype and contiguous and on_fused_device:
         device = params[0].device
         step_tensors = [
             s.to(device=device, dtype=torch.float32)
