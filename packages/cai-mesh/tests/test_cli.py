@@ -36,18 +36,18 @@ WORKER = textwrap.dedent(
     """
 )
 
-# Stands in for ssh: runs the remote command on this machine, or fails like ssh does for hosts named bad*.
+# Stands in for ssh (a shell script, so it costs no interpreter start): runs the remote command on this machine,
+# or fails the way ssh does for hosts named bad*.
 FAKE_SSH = textwrap.dedent(
-    """
-    import os, sys
-    args = sys.argv[1:]
-    while args[0] in ("-o", "-p"):
-        args = args[2:]
-    host, command = args[0], args[1]
-    if host.startswith("bad"):
-        sys.stderr.write(f"ssh: Could not resolve hostname {host}: Name or service not known\\n")
-        sys.exit(255)
-    os.execvp("bash", ["bash", "-c", command])
+    """\
+    #!/bin/bash
+    while [ "$1" = "-o" ] || [ "$1" = "-p" ]; do shift 2; done
+    host="$1"
+    if [[ "$host" == bad* ]]; then
+        echo "ssh: Could not resolve hostname $host: Name or service not known" >&2
+        exit 255
+    fi
+    exec bash -c "$2"
     """
 )
 
@@ -75,6 +75,12 @@ def worker(tmp_path: Path) -> Path:
     return path
 
 
+def _fake_ssh(folder: Path) -> None:
+    path = folder / "ssh.sh"
+    path.write_text(FAKE_SSH)
+    path.chmod(0o755)
+
+
 def _results(out: Path) -> list[str]:
     return sorted(p.read_text() for p in out.glob("rank*.txt"))
 
@@ -99,13 +105,13 @@ def test_cai_run_starts_2_local_processes(worker: Path) -> None:
 
 def test_cai_run_hostfile_starts_one_torchrun_per_node(worker: Path) -> None:
     out = worker.parent / "out"
-    (worker.parent / "ssh.py").write_text(FAKE_SSH)
+    _fake_ssh(worker.parent)
     (worker.parent / "hosts").write_text("# two nodes\nnodeA slots=1\n\nnodeB\nnodeC\n")
     cmd = [
         *_cai(), "run", "--hostfile", "hosts", "--exclude", "nodeC", "--nproc_per_node", "1",
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(worker), str(out), "x",
     ]  # fmt: skip
-    env = _env(CAI_SSH=f"{sys.executable} {worker.parent / 'ssh.py'}")
+    env = _env(CAI_SSH=str(worker.parent / "ssh.sh"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=worker.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _results(out) == ["2 3.0 x", "2 3.0 x"]
@@ -114,7 +120,7 @@ def test_cai_run_hostfile_starts_one_torchrun_per_node(worker: Path) -> None:
 
 
 def test_cai_run_reports_host_command_and_remote_error(worker: Path) -> None:
-    (worker.parent / "ssh.py").write_text(FAKE_SSH)
+    _fake_ssh(worker.parent)
     cmd = [
         *_cai(),
         "run",
@@ -128,7 +134,7 @@ def test_cai_run_reports_host_command_and_remote_error(worker: Path) -> None:
         "o",
         "x",
     ]
-    env = _env(CAI_SSH=f"{sys.executable} {worker.parent / 'ssh.py'}")
+    env = _env(CAI_SSH=str(worker.parent / "ssh.sh"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=worker.parent)
     assert proc.returncode == 255, proc.stdout + proc.stderr
     err = proc.stderr

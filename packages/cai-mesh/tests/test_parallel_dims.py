@@ -151,8 +151,8 @@ def _expected(case: MeshCase, rank: int, axes: tuple[str, ...]) -> list[int]:
     return sorted(members)
 
 
-def _mesh_groups(case: MeshCase) -> dict:
-    dims = ParallelDims(dp=case.dp, pp=case.pp, tp=case.tp, sp=case.sp, ep=case.ep)
+def _mesh_groups(sizes: dict[str, int]) -> dict:
+    dims = ParallelDims(**sizes)
     mesh = dims.build_mesh()
     out = {}
     for axes in GROUPS:
@@ -175,7 +175,8 @@ def _mesh_groups(case: MeshCase) -> dict:
 
 @pytest.mark.parametrize("case", MESHES, ids=[c.name for c in MESHES])
 def test_process_groups_on_8_ranks(case: MeshCase) -> None:
-    results = run_distributed(_mesh_groups, 8, case, timeout=180)
+    # Plain values travel to the workers (the case's class lives in this test module).
+    results = run_distributed(_mesh_groups, 8, {a: getattr(case, a) for a in AXES}, timeout=180)
     for rank, got in enumerate(results):
         assert got["same-object"] and got["world"]
         for axes in GROUPS:

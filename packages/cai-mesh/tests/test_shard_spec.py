@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cai.mesh import LocalShard, ShardSpec, assemble
 
-settings.register_profile("cai", max_examples=60, deadline=None)
+settings.register_profile("cai", max_examples=40, deadline=None)
 settings.load_profile("cai")
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
