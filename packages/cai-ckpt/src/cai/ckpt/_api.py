@@ -273,9 +273,12 @@ def prepare_model_load(target: Any, path: Path, *, strict: bool, verify: bool) -
         with torch.no_grad():
             for k in keys:
                 v = sd[k]
-                v.copy_(
-                    reader.read(k, ShardSpec.full(v.shape), v.dtype if v.dtype.is_floating_point else None)
-                )
+                if not reader.read_whole_into(k, v):
+                    v.copy_(
+                        reader.read(
+                            k, ShardSpec.full(v.shape), v.dtype if v.dtype.is_floating_point else None
+                        )
+                    )
 
     def apply() -> None:
         with reader:

@@ -180,6 +180,21 @@ class CheckpointReader:
         local = spec.cut_region(region)
         return local.to(want) if local.dtype != want else local
 
+    def read_whole_into(self, name: str, out: torch.Tensor) -> bool:
+        """Read the whole tensor ``name`` straight into ``out`` when no conversion is needed (CPU, contiguous,
+        same dtype and shape); returns False, having done nothing, otherwise."""
+        info = self.header(name)
+        if (
+            out.device.type != "cpu"
+            or not out.is_contiguous()
+            or tuple(info["shape"]) != tuple(out.shape)
+            or dtype_from_name(info["dtype"]) != out.dtype
+        ):
+            return False
+        fname = self.file_of(name)
+        read_into(self.dir / fname, self._starts[fname] + info["data_offsets"][0], out)
+        return True
+
     def file_of(self, name: str) -> str:
         return self.weight_map[self.resolve(name)]
 

@@ -17,10 +17,10 @@ from cai.mesh import LocalShard, ShardSpec
 _host_buffers: dict[tuple, torch.Tensor] = {}
 
 
-def _host_copy(key: tuple, t: torch.Tensor) -> torch.Tensor:
+def _host_copy(key: tuple, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     buf = _host_buffers.get(key)
-    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    if buf is None or buf.shape != t.shape or buf.dtype != dtype:
+        buf = torch.empty(t.shape, dtype=dtype, pin_memory=torch.cuda.is_available())
         _host_buffers[key] = buf
     buf.copy_(t, non_blocking=True)
     return buf
@@ -81,11 +81,22 @@ def write_sharded(
     )
     jobs = []
     for f in mine:
-        tensors = ((t.name, _assemble(t, state, metas, rank, group, comm_device)) for t in f.tensors)
         if use_async:
-            snapshot = [(n, _host_copy((subdir, n), x)) for n, x in tensors]
+            # One copy into reused (pinned) host buffers, straight from the source tensor where it is whole.
+            snapshot = [
+                (
+                    t.name,
+                    _host_copy(
+                        (subdir, t.name),
+                        _assemble(t, state, metas, rank, group, comm_device, raw=True),
+                        t.dtype,
+                    ),
+                )
+                for t in f.tensors
+            ]
             txn.jobs.append(lambda f=f, snapshot=snapshot: _write_file(txn, subdir, f, snapshot))
         else:
+            tensors = ((t.name, _assemble(t, state, metas, rank, group, comm_device)) for t in f.tensors)
             jobs.append(lambda f=f, tensors=tensors: _write_file(txn, subdir, f, tensors))
     # Receives must follow the plan's order, so only files that need no pieces from other ranks go in parallel.
     run_parallel(jobs, IO_THREADS if local_only else 1)
@@ -106,9 +117,11 @@ def write_sharded(
         txn.record(join(subdir, index_name), write_json(txn.path(join(subdir, index_name)), index))
 
 
-def _assemble(t, state, metas, rank, group, comm_device) -> torch.Tensor:
+def _assemble(t, state, metas, rank, group, comm_device, raw: bool = False) -> torch.Tensor:
+    """The full tensor ``t`` on the CPU in its stored dtype (``raw``: a local whole tensor as it is)."""
     if len(t.sources) == 1 and t.sources[0][0] == rank and t.sources[0][1].is_full:
-        return state[t.name].tensor.detach().to(device="cpu", dtype=t.dtype)
+        local = state[t.name].tensor.detach()
+        return local if raw else local.to(device="cpu", dtype=t.dtype)
     out = torch.empty(t.global_shape, dtype=t.dtype)
     for src, spec in t.sources:
         if not spec.numel:
