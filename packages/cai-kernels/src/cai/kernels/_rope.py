@@ -65,13 +65,14 @@ def apply_rotary_pos_emb(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
     unsqueeze_dim: int = 1,
+    *,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by the rotary embedding (`x * cos + rotate_half(x) * sin`), the Hugging Face convention.
 
-    Same signature and semantics as `transformers.models.llama.modeling_llama.apply_rotary_pos_emb`, so it can
-    stand in for it.
+    Same signature and semantics as `transformers.models.llama.modeling_llama.apply_rotary_pos_emb` (5.x:
+    `(q, k, cos, sin, unsqueeze_dim=1)`), so it can stand in for it; `position_ids` is an extra keyword.
 
     Args:
         q: `(B, Hq, T, D)` when `unsqueeze_dim=1` (HF attention layout) or `(B, T, Hq, D)` when `unsqueeze_dim=2`.
