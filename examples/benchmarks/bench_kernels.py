@@ -9,7 +9,7 @@ liger_kernel` works; otherwise the ratios use Liger's figures recorded on the sa
 
     python examples/benchmarks/bench_kernels.py            # full shapes, < 4 minutes on an H200
     python examples/benchmarks/bench_kernels.py --quick    # tiny shapes, a smoke test
-    python examples/benchmarks/bench_kernels.py --only rms_norm,flce
+    python examples/benchmarks/bench_kernels.py --only rms_norm,flce --no-compile
 """
 
 from __future__ import annotations
@@ -319,6 +319,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="skip the torch.compile rows (saves compile time)"
+    )
     parser.add_argument("--only", default="", help="comma-separated kernels (rms_norm, swiglu, flce, ...)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -332,6 +335,8 @@ def main() -> None:
     for case in cases(args.quick):
         if only and case.kernel not in only:
             continue
+        if args.no_compile:
+            case.impls.pop("compile", None)
         print(f"running {case.kernel} {case.shape}", file=sys.stderr, flush=True)
         rows += run_case(case, copy_gbps, args.quick)
     print_table(rows, copy_gbps)
