@@ -76,6 +76,8 @@ def adam_update(
             f"adam_update: grad dtype {grad.dtype} / out dtype {None if out is None else out.dtype} not supported; "
             "use float32, bfloat16 or float16"
         )
+    if param.device.type == "cpu" and param.is_contiguous() and not grad.is_contiguous():
+        grad = grad.contiguous()  # one copy, then the native kernel, rather than the slower torch path
     if param.device.type == "cpu" and _native_eligible(param, grad, exp_avg, exp_avg_sq, out):
         native = native_adam()
         if native is not None:

@@ -89,13 +89,13 @@ class _Adam(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = div_scale if div_scale > 0 else None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            beta1, beta2 = (float(b) for b in group["betas"])
             hyper = dict(
-                lr=group["lr"],
+                lr=float(group["lr"]),  # a tensor lr (torch allows one) becomes a number
                 beta1=beta1,
                 beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
                 adamw_mode=group["adamw_mode"],
                 bias_correction=group["bias_correction"],
                 grad_scale=grad_scale,
