@@ -169,6 +169,13 @@ def _mesh_groups(sizes: dict[str, int]) -> dict:
             "counted": [e.group_ranks for e in cc.events],
         }
     out["same-object"] = mesh.group(("sp", "dp")) is mesh.group(("dp", "sp"))
+    errors = []
+    for make in (lambda: ParallelDims(dp=4, world_size=4).build_mesh(), lambda: ParallelDims(tp=2)):
+        try:
+            make()
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
     out["world"] = mesh.group() is dist.group.WORLD and mesh.ranks() == list(range(8))
     return out
 
@@ -179,6 +186,12 @@ def test_process_groups_on_8_ranks(case: MeshCase) -> None:
     results = run_distributed(_mesh_groups, 8, {a: getattr(case, a) for a in AXES}, timeout=180)
     for rank, got in enumerate(results):
         assert got["same-object"] and got["world"]
+        assert got["errors"] == [
+            "ParallelMesh: dims are for world_size 4 but the default process group has 8 ranks",
+            # world_size defaults to the initialised world
+            "ParallelDims: dp (1) x pp (1) x tp (2) x sp (1) x ep (1) = 2 does not match world_size 8; "
+            "with tp=2 try dp=4",
+        ]
         for axes in GROUPS:
             expected = _expected(case, rank, axes)
             g = got[axes]
