@@ -97,6 +97,24 @@ def test_batched_hidden_and_no_grad(impl):
     assert hg.grad.shape == (2, 5, 8)
 
 
+def test_autocast_runs_matmuls_in_the_autocast_dtype(impl):
+    # fp32 master weights under bf16 autocast: gradients come back in fp32, values at bf16 accuracy.
+    h = torch.randn(12, 16, requires_grad=True)
+    w = (torch.randn(50, 16) * 0.5).requires_grad_()
+    y = torch.randint(0, 50, (12,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(h, w, y)
+    loss.backward()
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.cross_entropy(hd @ wd.T, y)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-2 * ref.item()
+    assert (h.grad - hd.grad).abs().max() <= 3e-2 * hd.grad.abs().max()
+    assert (w.grad - wd.grad).abs().max() <= 3e-2 * wd.grad.abs().max()
+    assert (h.grad - hd.grad).abs().max() > 1e-7  # the bf16 matmuls did run (fp32 would be ~1e-8)
+
+
 def test_all_ignored_gives_zero_loss_and_grads(impl):
     h, w = torch.randn(4, 8, requires_grad=True), torch.randn(7, 8, requires_grad=True)
     loss = fused_linear_cross_entropy(h, w, torch.full((4,), -100))

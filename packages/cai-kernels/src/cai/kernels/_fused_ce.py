@@ -87,13 +87,18 @@ def _combine_stats(m, se, tgt, sx, group):
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts):
-        ignore_index, smoothing, z_loss, reduction, chunk, group, vocab_start = opts
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly below
+            return _FusedLinearCE._forward(ctx, hidden, weight, bias, labels, opts)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, bias, labels, opts):
+        ignore_index, smoothing, z_loss, reduction, chunk, group, vocab_start, dtype = opts
         lead_shape = hidden.shape[:-1]
-        h2d = hidden.reshape(-1, hidden.shape[-1])
+        h2d = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
         y = labels.reshape(-1).to(device=h2d.device, dtype=torch.long)
         t, v_local = h2d.shape[0], weight.shape[0]
-        w = weight if weight.dtype == h2d.dtype else weight.to(h2d.dtype)  # autocast-style compute dtype
-        b = bias if bias is None or bias.dtype == h2d.dtype else bias.to(h2d.dtype)
+        w = weight.to(dtype)  # a copy only when the weight is kept in another dtype (fp32 master weights)
+        b = bias.to(dtype) if bias is not None else None
         need_h = ctx.needs_input_grad[0]
         need_w = ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
@@ -197,8 +202,9 @@ def fused_linear_cross_entropy(
     the forward pass, chunk by chunk (see [Note: fused linear cross-entropy]); the backward is a scaling.
 
     Args:
-        hidden: `(..., H)` activations (bf16, fp16 or fp32); the compute dtype of the matmuls.
-        weight: `(V, H)` lm_head weight (cast to hidden's dtype for the matmuls if it differs).
+        hidden: `(..., H)` activations (bf16, fp16 or fp32). The matmuls run in hidden's dtype, or in the
+            autocast dtype when autocast is enabled.
+        weight: `(V, H)` lm_head weight (cast to the matmul dtype if it differs).
         labels: `(...)` integer targets, `ignore_index` for tokens that do not count. No shifting is done.
         bias: optional `(V,)`.
         ignore_index: default -100.
@@ -236,8 +242,11 @@ def fused_linear_cross_entropy(
         raise ValueError(
             f"vocab_start_index={vocab_start_index} needs a process_group (vocab-parallel shards)"
         )
+    # Matmul dtype: the autocast dtype when autocast is on (as nn.Linear would use), else hidden's dtype.
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     t = labels.numel()
-    chunk = chunk_size or _default_chunk(t, weight.shape[0], hidden.element_size())
+    chunk = chunk_size or _default_chunk(t, weight.shape[0], dtype.itemsize)
     if chunk <= 0:
         raise ValueError(f"chunk_size={chunk_size}; it must be positive")
     opts = (
@@ -249,4 +258,5 @@ def fused_linear_cross_entropy(
         process_group,
         vocab_start_index,
     )
+    opts += (dtype,)
     return _FusedLinearCE.apply(hidden, weight, bias, labels, opts)
