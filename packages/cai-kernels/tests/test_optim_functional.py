@@ -275,3 +275,24 @@ def test_errors_name_the_bad_values():
 def test_source_is_found_in_checkout():
     src = _loader.find_source_dir()
     assert src is not None and (src / "cpu_adam.cpp").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step_on_device", [False, True])
+def test_cuda_tensors_use_torch_fused_kernel_and_copy_out(step_on_device):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(10)
+    n = 70001
+    p = torch.randn(n, generator=gen)
+    pc, mc, vc = p.cuda(), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    m, v = torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    for step in range(1, 21):
+        g = torch.randn(n, generator=gen).bfloat16()
+        s = torch.tensor(float(step), device="cuda") if step_on_device else step
+        adam_update(pc, g.cuda(), mc, vc, step=s, lr=1e-2, weight_decay=0.1, out=out)
+        adam_update(p, g, m, v, step=step, lr=1e-2, weight_decay=0.1)
+    torch.cuda.synchronize()
+    assert torch.equal(out, pc.cpu().bfloat16())
+    _assert_rel_close(pc.cpu(), p, 1e-6, "cuda vs cpu")
