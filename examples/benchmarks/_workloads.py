@@ -110,7 +110,11 @@ def fsdp2(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, cpu_o
 
 def cai(config, batch: torch.Tensor, *, choice, grad_ckpt: bool, kernels: bool) -> Workload:
     """The model through ``Booster.boost`` with the plugin ``choice`` names and HybridAdam (Colossal-AI's
-    benchmark setup); ``kernels`` swaps in cai's fused kernels first."""
+    benchmark setup; AdamW under FSDP); ``kernels`` swaps in cai's fused kernels first.
+
+    Run it after the peers: ``patch_hf_model`` replaces the rotary function of the transformers modeling module
+    for the whole process, which would otherwise leak into the peers' models.
+    """
     from _plugins import make_booster
 
     from cai.kernels.optim import HybridAdam
@@ -122,7 +126,12 @@ def cai(config, batch: torch.Tensor, *, choice, grad_ckpt: bool, kernels: bool) 
         from cai.kernels import patch_hf_model
 
         patch_hf_model(model)
-    optimizer = HybridAdam(model.parameters(), lr=LR)
+    if choice.name == "fsdp":
+        # HybridAdam's host kernel does not take FSDP2's DTensor parameters (it crashes the process on CPU);
+        # torch's AdamW is what FSDP2 users run anyway.
+        optimizer = _adamw(model.parameters(), device)
+    else:
+        optimizer = HybridAdam(model.parameters(), lr=LR)
     model, optimizer, *_ = booster.boost(model, optimizer)
     state = {"booster": booster, "model": model, "optimizer": optimizer}
 
