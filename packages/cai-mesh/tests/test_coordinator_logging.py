@@ -111,6 +111,13 @@ def test_logger_on_2_ranks(tmp_path: Path) -> None:
     assert "only on rank 0" in r0["file"] and "only on rank 0" not in r1["file"]
 
 
+def test_child_loggers_go_through_the_rank_format(capsys: pytest.CaptureFixture[str]) -> None:
+    get_dist_logger("cai")
+    logging.getLogger("cai.some.module").warning("from a plain child logger")
+    err = capsys.readouterr().err
+    assert "[rank 0]" in err and "from a plain child logger" in err and "Logging error" not in err
+
+
 def test_logger_is_one_per_name_and_checks_levels(monkeypatch: pytest.MonkeyPatch) -> None:
     assert get_dist_logger("a.b") is get_dist_logger("a.b") and get_dist_logger() is not get_dist_logger(
         "a.b"

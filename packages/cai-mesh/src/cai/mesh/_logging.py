@@ -30,6 +30,15 @@ def _level(level: str | int) -> int:
     return _LEVELS[level.upper()]
 
 
+class _RankFilter(logging.Filter):
+    """Gives records from plain child loggers (``logging.getLogger("cai.zero")``) the rank the format needs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "rank"):
+            record.rank = _rank()
+        return True
+
+
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time of the record (so redirection and capture work)."""
 
@@ -58,6 +67,7 @@ class DistributedLogger:
         self.logger.propagate = False
         self._console = _StderrHandler()
         self._console.setFormatter(logging.Formatter(_FORMAT))
+        self._console.addFilter(_RankFilter())
         self.logger.addHandler(self._console)
 
     @classmethod
@@ -83,6 +93,7 @@ class DistributedLogger:
         handler = logging.FileHandler(path, mode=mode)
         handler.setLevel(_level(level))
         handler.setFormatter(logging.Formatter(_FORMAT))
+        handler.addFilter(_RankFilter())
         self.logger.addHandler(handler)
         return path
 
