@@ -58,7 +58,9 @@ def adam_update(
         num_threads: CPU threads for the native kernel; default torch.get_num_threads().
 
     CPU tensors (fp32, contiguous) use the native kernel from kernels/cpu_adam when it can be built, and
-    torch's fused CPU Adam plus a copy otherwise; CUDA tensors use torch's fused Adam kernels.
+    torch's fused CPU Adam plus a copy otherwise; CUDA tensors use torch's fused Adam kernels, and a host `out`
+    is then filled by an asynchronous copy on the current stream (synchronize before reading it on the host).
+    The native kernel releases the GIL, so it can run on a worker thread while the main thread works.
 
     Example:
         >>> p, g = torch.randn(1031), torch.randn(1031, dtype=torch.bfloat16)
