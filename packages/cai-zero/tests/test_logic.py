@@ -35,7 +35,9 @@ def test_loss_scale_config_rejects(kwargs) -> None:
 
 
 def test_loss_scaler_hysteresis_backoff_growth_and_bounds() -> None:
-    s = DynamicLossScaler(LossScaleConfig(initial_scale=8.0, growth_interval=2, hysteresis=2, min_scale=2.0, max_scale=16.0))
+    s = DynamicLossScaler(
+        LossScaleConfig(initial_scale=8.0, growth_interval=2, hysteresis=2, min_scale=2.0, max_scale=16.0)
+    )
     s.update(True)
     assert s.scale == 8.0  # first overflow absorbed by hysteresis
     s.update(True)
@@ -96,7 +98,14 @@ def test_full_state_dict_round_trip_continues_identically() -> None:
     sd = copy.deepcopy(opt.state_dict())
     assert set(sd["state"]["0.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
     assert sd["state"]["0.weight"]["exp_avg"].shape == (24, 8)
-    assert sd["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    assert sd["param_groups"][0]["params"] == [
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+        "4.weight",
+        "4.bias",
+    ]
     snapshot = copy.deepcopy(model.state_dict())
     expected = _train(model, opt, range(3, 6))
 

@@ -28,7 +28,7 @@ EPS = 1e-4
 class Case:
     dp: int
     stage: int
-    mode: str = "plain"  # plain | accum | clip | offload | overlap_allgather | tied
+    mode: str = "plain"  # plain | accum | clip | offload | offload_overlap | overlap_allgather | tied
     steps: int = 10
 
     @property
@@ -37,7 +37,7 @@ class Case:
 
     @property
     def accum(self) -> int:
-        return 4 if self.mode == "accum" else 1
+        return 4 if self.mode in ("accum", "offload_overlap") else 1
 
     @property
     def max_norm(self) -> float:
@@ -53,7 +53,7 @@ class Case:
         return model
 
     def optimizer(self, params) -> torch.optim.Optimizer:
-        if self.mode == "offload":
+        if self.mode.startswith("offload"):
             return CPUAdam(params, lr=LR, eps=EPS, weight_decay=0.01)
         return torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.01)
 
@@ -62,7 +62,8 @@ class Case:
             stage=self.stage,
             bucket_size_mb=BUCKET_MB,
             max_norm=self.max_norm,
-            cpu_offload=self.mode == "offload",
+            cpu_offload=self.mode.startswith("offload"),
+            overlap_cpu_step=self.mode == "offload_overlap",
             overlap_allgather=self.mode == "overlap_allgather",
         )
 
@@ -145,7 +146,12 @@ CASES = [
     for dp in (1, 2, 4)
     for stage in (1, 2)
     for mode in ("plain", "accum", "clip", "offload")
-] + [Case(dp=2, stage=2, mode="overlap_allgather"), Case(dp=4, stage=1, mode="tied")]
+] + [
+    Case(dp=2, stage=2, mode="overlap_allgather"),
+    Case(dp=4, stage=1, mode="tied"),
+    Case(dp=2, stage=2, mode="offload_overlap"),
+    Case(dp=4, stage=1, mode="offload_overlap"),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -54,11 +54,13 @@ class Bucket:
     working: torch.Tensor | None = None  # (shard * world_size,) working dtype; params are views of it
     master: torch.Tensor | None = None  # (shard,) fp32, on the host with cpu_offload
     grad: torch.Tensor | None = None  # (shard * world_size,) comm dtype, alive while gradients accumulate
+    # this rank's reduced gradient: fp32 next to the master shard, or the host landing buffer with cpu_offload
+    # (any dtype; which is why it is not stored as master.grad, whose dtype torch ties to the master's)
+    grad_shard: torch.Tensor | None = None
     received: int = 0  # gradients received in the current backward
     reduced_this_backward: bool = False
     reduced_in_window: int = 0  # reductions since the last step()/zero_grad()
     gather_work: list = field(default_factory=list)  # async all-gather handles (overlap_allgather)
-    keep_alive: list = field(default_factory=list)  # tensors an in-flight collective still reads
 
     @property
     def padded(self) -> int:

@@ -28,6 +28,10 @@ class ZeroConfig:
         cpu_offload: keep fp32 master shards and optimizer state in host memory (pinned on CUDA) and run the
             wrapped optimizer there; pair it with ``cai.kernels.optim.HybridAdam``/``CPUAdam``.
         max_norm: clip the global gradient L2 norm to this value inside ``step()``; 0 disables.
+        overlap_cpu_step: with ``cpu_offload``, run each bucket's CPU Adam step on a worker thread as soon as its
+            gradient reaches the host, during backward (see [Note: offload pipeline]); ``step()`` then only copies
+            back. Needs ``max_norm == 0`` (the global norm is unknown until backward ends), bf16/fp32
+            parameters, a cai.kernels CPUAdam/HybridAdam and one synchronising backward per step.
     """
 
     stage: int = 2
@@ -37,6 +41,7 @@ class ZeroConfig:
     overlap_allgather: bool = False
     cpu_offload: bool = False
     max_norm: float = 0.0
+    overlap_cpu_step: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
@@ -53,6 +58,11 @@ class ZeroConfig:
             )
         if self.max_norm < 0:
             raise ValueError(f"ZeroConfig: max_norm={self.max_norm!r} must be >= 0 (0 disables clipping)")
+        if self.overlap_cpu_step and (not self.cpu_offload or self.max_norm):
+            raise ValueError(
+                f"ZeroConfig: overlap_cpu_step=True needs cpu_offload=True and max_norm=0 (got cpu_offload="
+                f"{self.cpu_offload}, max_norm={self.max_norm}): clipping needs the global norm before any step"
+            )
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
         """Elements per gradient bucket for gradients reduced in ``dtype``."""

@@ -16,6 +16,7 @@ from cai.zero import _state
 from cai.zero._bucket import Bucket, Slot, plan_buckets
 from cai.zero._config import LossScaleConfig, ZeroConfig
 from cai.zero._loss_scale import DynamicLossScaler
+from cai.zero._offload import HostOffload
 
 logger = logging.getLogger("cai.zero")
 
@@ -140,6 +141,7 @@ class ZeroOptimizer:
             if n not in self._slots
         }
 
+        self._host = HostOffload(self) if config.cpu_offload else None
         self._sync = True
         self._accumulated = False  # a no_sync() backward left gradients in buckets since the last reduction
         self._in_backward = False
@@ -274,34 +276,14 @@ class ZeroOptimizer:
 
     def _add_master_grad(self, b: Bucket, shard: torch.Tensor) -> None:
         inv = 1.0 / self.scaler.scale if self.scaler else 1.0
-        if self.config.cpu_offload and self.device.type != "cpu":
-            self._consume_host_grad(b)
-            stage = torch.empty(b.shard, dtype=shard.dtype, pin_memory=self._pin)
-            stage.copy_(shard, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            b.keep_alive = [stage, event, inv]
-            return
-        if b.master.grad is None:
-            b.master.grad = shard.to(device=b.master.device, dtype=torch.float32, copy=True)
+        if self._host is not None:
+            self._host.land(b, shard, inv)
+        elif b.grad_shard is None:
+            b.grad_shard = shard.to(dtype=torch.float32, copy=True)
             if inv != 1.0:
-                b.master.grad.mul_(inv)
+                b.grad_shard.mul_(inv)
         else:
-            b.master.grad.add_(shard.to(b.master.device), alpha=inv)
-
-    def _consume_host_grad(self, b: Bucket) -> None:
-        """Fold a finished device-to-host gradient copy into the host master gradient."""
-        if not b.keep_alive:
-            return
-        stage, event, inv = b.keep_alive
-        b.keep_alive = []
-        event.synchronize()
-        if b.master.grad is None:
-            b.master.grad = stage.to(torch.float32, copy=True)
-            if inv != 1.0:
-                b.master.grad.mul_(inv)
-        else:
-            b.master.grad.add_(stage, alpha=inv)
+            b.grad_shard.add_(shard, alpha=inv)
 
     def _wait_comm(self) -> None:
         if self._stream is not None:
@@ -318,17 +300,16 @@ class ZeroOptimizer:
                 self._reduce(b)
         self._accumulated = False
         self._wait_comm()
-        for b in self.buckets:
-            self._consume_host_grad(b)
+        if self._host is not None:
+            for b in self.buckets:
+                self._host.settle(b)
 
     def _gather(self, b: Bucket, *, async_op: bool) -> None:
         """All-gather the updated master shard into the bucket's working buffer (the parameters' storage)."""
-        if self.config.cpu_offload and self.device.type != "cpu":
-            stage = torch.empty(b.shard, dtype=b.dtype, pin_memory=self._pin)
-            stage.copy_(b.master)
-            shard = stage.to(self.device, non_blocking=True)
-        else:
-            shard = b.master.to(dtype=b.dtype)
+        if self.world_size == 1 and self._host is None:
+            b.working.copy_(b.master)
+            return
+        shard = self._host.device_shard(b) if self._host is not None else b.master.to(dtype=b.dtype)
         if self.world_size == 1:
             b.working.copy_(shard)
             return
@@ -348,7 +329,7 @@ class ZeroOptimizer:
 
     # ---- step ---------------------------------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
-        return [b.master.grad for b in self.buckets if b.master.grad is not None]
+        return [b.grad_shard for b in self.buckets if b.grad_shard is not None]
 
     def _all_reduce_scalar(self, t: torch.Tensor, op: dist.ReduceOp, groups: Iterable) -> torch.Tensor:
         t = t.to(self.device)
@@ -360,8 +341,8 @@ class ZeroOptimizer:
     def _overflowed_groups(self) -> list[int]:
         flags = torch.zeros(len(self.optim.param_groups), dtype=torch.float32, device=self._master_device)
         for b in self.buckets:
-            if b.master.grad is not None:
-                flags[b.group_index] += (~torch.isfinite(b.master.grad)).any().float()
+            if b.grad_shard is not None:
+                flags[b.group_index] += (~torch.isfinite(b.grad_shard)).any().float()
         flags = self._all_reduce_scalar(flags, dist.ReduceOp.MAX, (self.group, *self.norm_groups))
         return [i for i, f in enumerate(flags.tolist()) if f > 0]
 
@@ -370,7 +351,7 @@ class ZeroOptimizer:
         self._finish_window()
         sq = torch.zeros((), dtype=torch.float32, device=self._master_device)
         for g in self._master_grads():
-            sq += g.pow(2).sum()
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         groups = (self.group, *self.norm_groups, *extra_groups)
         return self._all_reduce_scalar(sq, dist.ReduceOp.SUM, groups).sqrt()
 
@@ -406,20 +387,28 @@ class ZeroOptimizer:
                 return
         if self.config.max_norm > 0:
             self.clip_grad_norm(self.config.max_norm)
-        self.optim.step()
+        if self._host is not None:
+            self._host.step()  # steps and gathers bucket by bucket
+        else:
+            for b in self.buckets:
+                b.master.grad = b.grad_shard  # fp32 here (see HostOffload.land for the host path)
+            self.optim.step()
+            for b in self.buckets:
+                b.master.grad = None
+            self._gather_all()
         self._step_count += 1
         for b in self.buckets:
-            b.master.grad = None
+            b.grad_shard = None
             b.reduced_in_window = 0
-        self._gather_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: master shards, buckets (including no_sync accumulation) and working params."""
         self._wait_comm()
+        if self._host is not None:
+            self._host.wait_all()
         for b in self.buckets:
-            b.master.grad = None
+            b.grad_shard = None
             b.grad = None
-            b.keep_alive = []
             b.reduced_in_window = 0
             for s in b.slots:
                 s.param.grad = None

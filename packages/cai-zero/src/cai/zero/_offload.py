@@ -1,0 +1,159 @@
+"""The host half of ``cpu_offload=True``: gradient landing buffers, the CPU optimizer step, the copy back.
+
+[Note: offload pipeline]
+Each reduced gradient shard is copied device-to-host (pinned, asynchronous, on the stream that reduced it) into a
+per-bucket landing buffer that becomes the master shard's ``.grad`` as is (bf16 stays bf16: cai.kernels' CPU Adam
+reads low-precision gradients directly, so there is no host upcast pass). With a cai.kernels Adam the step runs
+bucket by bucket through ``adam_update(..., out=pinned working-dtype buffer)``, which writes the new parameters,
+already cast, in the same pass; bucket i's host-to-device copy and all-gather then overlap bucket i+1's CPU step.
+With ``overlap_cpu_step`` each bucket's CPU step starts on a worker thread as soon as its gradient has landed,
+i.e. during backward, and ``step()`` only copies back. Collectives are issued on the main thread only, so every
+rank keeps the same collective order.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from cai.kernels.optim import CPUAdam, adam_update
+
+if TYPE_CHECKING:
+    from cai.zero._bucket import Bucket
+    from cai.zero._optimizer import ZeroOptimizer
+
+
+class HostOffload:
+    def __init__(self, zo: ZeroOptimizer) -> None:
+        self.zo = zo
+        self.cuda = zo.device.type == "cuda"
+        # our own bucket-wise step with the copy-out fused in; other optimizers run their own step() on the host
+        self.fast = isinstance(zo.optim, CPUAdam)
+        self.pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="cai-zero-cpu-step")
+            if zo.config.overlap_cpu_step
+            else None
+        )
+        if self.pool is not None and (not self.fast or zo.scaler is not None):
+            raise ValueError(
+                "ZeroOptimizer: overlap_cpu_step=True needs cai.kernels.optim.CPUAdam/HybridAdam and bf16/fp32 "
+                f"parameters (got {type(zo.optim).__name__}, loss scaling {zo.scaler is not None})"
+            )
+        self._grad_buf: dict[int, torch.Tensor] = {}
+        self._param_buf: dict[int, torch.Tensor] = {}
+        self._landed: dict[int, torch.cuda.Event] = {}
+        self._copied_back: dict[int, torch.cuda.Event] = {}
+        self._futures: dict[int, Future] = {}
+        self._written: set[int] = (
+            set()
+        )  # buckets whose pinned parameter buffer holds the latest step's output
+
+    def _buffer(self, cache: dict, b: Bucket, dtype: torch.dtype) -> torch.Tensor:
+        buf = cache.get(b.index)
+        if buf is None or buf.dtype != dtype:
+            buf = cache[b.index] = torch.empty(b.shard, dtype=dtype, pin_memory=self.cuda)
+        return buf
+
+    def land(self, b: Bucket, shard: torch.Tensor, inv_scale: float) -> None:
+        """Bring a reduced gradient shard to the host and add it to the master shard's gradient."""
+        if b.grad_shard is None and inv_scale == 1.0 and (self.fast or shard.dtype == torch.float32):
+            buf = self._buffer(self._grad_buf, b, shard.dtype)
+            buf.copy_(shard, non_blocking=self.cuda)
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record()  # on the stream that reduced the shard
+                self._landed[b.index] = event
+            b.grad_shard = buf
+            if self.pool is not None:
+                self._futures[b.index] = self.pool.submit(self.step_bucket, b)
+            return
+        if self.pool is not None:
+            raise RuntimeError(
+                "ZeroOptimizer: overlap_cpu_step=True allows one synchronising backward per step; accumulate the "
+                "other micro-steps under no_sync()"
+            )
+        self.settle(b)
+        g = shard.to("cpu", torch.float32, copy=True)
+        if b.grad_shard is None:
+            b.grad_shard = g.mul_(inv_scale) if inv_scale != 1.0 else g
+        else:
+            if b.grad_shard.dtype != torch.float32:
+                b.grad_shard = b.grad_shard.float()
+            b.grad_shard.add_(g, alpha=inv_scale)
+
+    def settle(self, b: Bucket) -> None:
+        """Wait until the bucket's device-to-host gradient copy has finished."""
+        event = self._landed.pop(b.index, None)
+        if event is not None:
+            event.synchronize()
+
+    def step_bucket(self, b: Bucket) -> None:
+        """One Adam step of the bucket's master shard, writing the working-dtype copy into a pinned buffer."""
+        self.settle(b)
+        done = self._copied_back.pop(b.index, None)
+        if done is not None:
+            done.synchronize()  # the previous step's copy back still reads the pinned buffer
+        if b.grad_shard is None:
+            return
+        opt = self.zo.optim
+        group = opt.param_groups[b.group_index]
+        state = opt.state[b.master]
+        if not state:  # the layout and names of cai.kernels' Adam state (torch Adam's)
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(b.master)
+            state["exp_avg_sq"] = torch.zeros_like(b.master)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        adam_update(
+            b.master, b.grad_shard, state["exp_avg"], state["exp_avg_sq"],
+            step=state["step"].item(), lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], adamw_mode=group.get("adamw_mode", True),
+            bias_correction=group.get("bias_correction", True), out=self._buffer(self._param_buf, b, b.dtype),
+        )  # fmt: skip
+        self._written.add(b.index)
+
+    def device_shard(self, b: Bucket) -> torch.Tensor:
+        """The updated shard in the working dtype, on the device (asynchronous from pinned memory)."""
+        buf = self._buffer(self._param_buf, b, b.dtype)
+        if b.index in self._written:
+            self._written.discard(b.index)
+        else:
+            done = self._copied_back.pop(b.index, None)
+            if done is not None:
+                done.synchronize()
+            buf.copy_(b.master)
+        shard = buf.to(self.zo.device, non_blocking=self.cuda)
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._copied_back[b.index] = event
+        return shard
+
+    def step(self) -> None:
+        """Update every bucket and all-gather it, bucket by bucket (CPU step of i+1 overlaps the copy of i)."""
+        zo = self.zo
+        if not self.fast:
+            for b in zo.buckets:
+                b.master.grad = b.grad_shard  # fp32: land() only aliases other dtypes for the fast path
+            zo.optim.step()
+            for b in zo.buckets:
+                b.master.grad = None
+        for b in zo.buckets:
+            if self.fast:
+                future = self._futures.pop(b.index, None)
+                future.result() if future is not None else self.step_bucket(b)
+            zo._gather(b, async_op=zo.config.overlap_allgather)
+
+    def wait_all(self) -> None:
+        if self._futures:
+            raise RuntimeError(
+                "ZeroOptimizer: with overlap_cpu_step=True the CPU step already ran during backward; call step() "
+                "before zero_grad()"
+            )
+        for b in self.zo.buckets:
+            future = self._futures.pop(b.index, None)
+            if future is not None:
+                future.result()
+            self.settle(b)
