@@ -82,7 +82,10 @@ def test_patched_model_matches_original(case, impl, restore_rope):
 def test_num_items_in_batch_and_no_labels(impl, restore_rope):
     torch.manual_seed(1)
     ref = build(Case(arch="llama", tie=False))
-    model = patch_hf_model(copy.deepcopy(ref), rope=False)
+    model = patch_hf_model(
+        patch_hf_model(copy.deepcopy(ref), rope=False), rope=False
+    )  # patching twice is a no-op
+    assert len(model._forward_pre_hooks) == 1
     ids = torch.randint(0, 61, (2, 7))
     want = ref(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(20)).loss
     got = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(20)).loss

@@ -134,9 +134,10 @@ def _patch_loss(model: nn.Module) -> bool:
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function"):
         return False
-    if not isinstance(head, FusedLMHead):
-        head = FusedLMHead.take_over(head)
-        model.lm_head = head
+    if isinstance(head, FusedLMHead):  # already patched: the loss wrapper and hooks are in place
+        return True
+    head = FusedLMHead.take_over(head)
+    model.lm_head = head
     model.loss_function = _causal_lm_loss(head, model.loss_function)
     signature = inspect.signature(model.forward)
 
