@@ -51,6 +51,8 @@ def _release() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        if hasattr(torch._C, "_host_emptyCache"):  # pinned host blocks the previous row cached
+            torch._C._host_emptyCache()
 
 
 def _build(config, device: torch.device, grad_ckpt: bool, dtype: torch.dtype = torch.float32):
