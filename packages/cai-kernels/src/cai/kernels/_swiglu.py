@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,44 +13,13 @@ from cai.kernels._tune import pick
 _CANDIDATES = [(4096, 8), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (8192, 8), (8192, 16)]
 
 
-@functools.cache
-def _kernels():
-    # Defined on first use so that Triton (and TRITON_INTERPRET) are only looked at when a kernel runs.
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def fwd(A, B, C, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-        c = a * tl.sigmoid(a) * b
-        tl.store(C + offs, c.to(C.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def bwd(A, B, DC, DA, DB, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-        dc = tl.load(DC + offs, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(a)
-        silu = a * sig
-        # d silu(a) / da = sig * (1 + a * (1 - sig)); silu is recomputed rather than stored.
-        da = dc * b * sig * (1.0 + a * (1.0 - sig))
-        tl.store(DA + offs, da.to(DA.dtype.element_ty), mask=mask)
-        tl.store(DB + offs, (dc * silu).to(DB.dtype.element_ty), mask=mask)
-
-    return fwd, bwd
-
-
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         import triton
 
-        fwd, _ = _kernels()
+        from cai.kernels._swiglu_triton import swiglu_fwd_kernel as fwd
+
         a, b = gate.contiguous(), up.contiguous()
         c = torch.empty_like(a)
         n = a.numel()
@@ -68,7 +35,8 @@ class _SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dc):
         import triton
 
-        _, bwd = _kernels()
+        from cai.kernels._swiglu_triton import swiglu_bwd_kernel as bwd
+
         a, b = ctx.saved_tensors
         dc = dc.contiguous()
         da, db = torch.empty_like(a), torch.empty_like(b)
