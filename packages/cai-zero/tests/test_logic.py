@@ -145,3 +145,33 @@ def test_low_level_zero_optimizer_maps_colossal_names() -> None:
     assert opt.config.stage == 2 and opt.config.max_norm == 1.0
     assert opt.config.bucket_numel(torch.float16) == 100
     assert opt.loss_scale == 2**10 and opt.scaler.config.hysteresis == 3
+
+
+def test_offload_with_a_torch_optimizer_matches_torch() -> None:
+    model, ref = _mlp(), _mlp()
+    opt = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        model=model,
+        config=ZeroConfig(bucket_size_mb=64 * 4 / 2**20, cpu_offload=True),
+    )
+    assert _train(model, opt, range(4)) == _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), range(4))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_overlap_cpu_step_requirements() -> None:
+    from cai.kernels.optim import CPUAdam
+
+    with pytest.raises(ValueError, match="overlap_cpu_step=True needs cpu_offload=True"):
+        ZeroConfig(overlap_cpu_step=True)
+    with pytest.raises(ValueError, match="overlap_cpu_step=True needs cpu_offload=True and max_norm=0"):
+        ZeroConfig(overlap_cpu_step=True, cpu_offload=True, max_norm=1.0)
+    model = _mlp()
+    config = ZeroConfig(cpu_offload=True, overlap_cpu_step=True)
+    with pytest.raises(ValueError, match="needs cai.kernels.optim.CPUAdam/HybridAdam"):
+        ZeroOptimizer(torch.optim.AdamW(model.parameters()), model=model, config=config)
+    opt = ZeroOptimizer(CPUAdam(model.parameters()), model=model, config=config)
+    x = torch.randn(4, 8)
+    opt.backward(model(x).sum())
+    with pytest.raises(RuntimeError, match="one synchronising backward per step"):
+        opt.backward(model(x).sum())
