@@ -108,7 +108,9 @@ def fsdp2(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, cpu_o
     return Workload(name=f"FSDP2 world 1 ({precision} compute, fp32 master{offload})", step=step, close=close)
 
 
-def cai(config, batch: torch.Tensor, *, choice, grad_ckpt: bool, kernels: bool) -> Workload:
+def cai(
+    config, batch: torch.Tensor, *, choice, grad_ckpt: bool, kernels: bool, lazy: bool = False
+) -> Workload:
     """The model through ``Booster.boost`` with the plugin ``choice`` names and HybridAdam (Colossal-AI's
     benchmark setup; AdamW under FSDP); ``kernels`` swaps in cai's fused kernels first.
 
@@ -121,7 +123,14 @@ def cai(config, batch: torch.Tensor, *, choice, grad_ckpt: bool, kernels: bool) 
 
     device = batch.device
     booster = make_booster(choice)
-    model = build_model(config, device, grad_ckpt=grad_ckpt)
+    if lazy:
+        # Parameters stay on the meta device until boost() has sharded the model: no full fp32 copy on the GPU.
+        from cai.booster import LazyInitContext
+
+        with LazyInitContext(default_device=device):
+            model = build_model(config, torch.device("cpu"), grad_ckpt=grad_ckpt)
+    else:
+        model = build_model(config, device, grad_ckpt=grad_ckpt)
     if kernels:
         from cai.kernels import patch_hf_model
 
@@ -145,5 +154,5 @@ def cai(config, batch: torch.Tensor, *, choice, grad_ckpt: bool, kernels: bool) 
         state.clear()
         release()
 
-    extras = " + cai kernels" if kernels else ""
+    extras = (" + cai kernels" if kernels else "") + (", lazy init" if lazy else "")
     return Workload(name=f"cai {choice.label} ({choice.precision}){extras}", step=step, close=close)

@@ -4,7 +4,7 @@ plain PyTorch eager, torch.compile and FSDP2 in the same process (``--compare``)
 
 Prints one markdown table: tokens/s per GPU, MFU (6N + 12 L h s over 989 TFLOP/s), Colossal-AI's two TFLOPS
 figures (Megatron-style with recomputation, and 2 (3 + ckpt) N per token), peak memory, and the ratio of each
-row's tokens/s to each peer's. Writes ``$OUT/benchmark_<config>_<plugin>.json`` when ``OUT`` is set.
+row's tokens/s to each peer's. Writes ``$OUT/benchmark_<config>_<plugins>.json`` when ``OUT`` is set.
 
 Examples::
 
@@ -46,8 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "-p",
         "--plugin",
         default="zero2",
-        choices=(*PLUGINS, "zero"),
-        help="zero means LowLevelZero with --zero's stage",
+        help=f"one of {', '.join(PLUGINS)}, zero (LowLevelZero at --zero's stage), or a comma list: one row each",
     )
     p.add_argument(
         "--zero", type=int, choices=(1, 2), default=None, help="ZeRO stage for -p zero (default 2)"
@@ -75,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="cai's fused kernels in the cai run (default on; peers never use them)",
     )
+    p.add_argument("--lazy", action="store_true", help="build the cai model under LazyInitContext")
     p.add_argument("--cpu-offload", action="store_true", help="optimizer offload (zero1/zero2/fsdp)")
     p.add_argument("--shard-param-frac", "--shard_param_frac", type=float, default=1.0, help="Gemini")
     p.add_argument("--offload-optim-frac", "--offload_optim_frac", type=float, default=0.0, help="Gemini")
@@ -87,9 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS / 1e12, help="MFU denominator per GPU")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = p.parse_args(argv)
-    if args.plugin == "zero":
-        args.plugin = f"zero{args.zero or 2}"
-    elif args.zero is not None and args.plugin not in ("zero1", "zero2"):
+    args.plugins = [f"zero{args.zero or 2}" if x == "zero" else x for x in args.plugin.split(",") if x]
+    bad = [x for x in args.plugins if x not in PLUGINS]
+    if bad or not args.plugins:
+        p.error(f"-p {args.plugin}: {', '.join(bad) or 'nothing'} is not among {', '.join(PLUGINS)}, zero")
+    if args.zero is not None and "zero" not in args.plugin.split(","):
         p.error(f"--zero {args.zero} goes with -p zero, not -p {args.plugin}")
     args.peers = [x for x in args.peers.split(",") if x]
     unknown = sorted(set(args.peers) - set(PEERS))
@@ -201,11 +203,17 @@ def main(args: argparse.Namespace) -> None:
     launch_from_torch(seed=1234, verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     precision = args.precision if args.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    choice = PluginChoice(
-        name=args.plugin, precision=precision, cpu_offload=args.cpu_offload,
+    gemini_fracs = dict(
         shard_param_frac=args.shard_param_frac, offload_optim_frac=args.offload_optim_frac,
         offload_param_frac=args.offload_param_frac,
     )  # fmt: skip
+    choices = [
+        PluginChoice(
+            name=name, precision=precision, cpu_offload=args.cpu_offload and name in ("zero1", "zero2", "fsdp"),
+            **(gemini_fracs if name == "gemini" else {}),
+        )
+        for name in args.plugins
+    ]  # fmt: skip
     config = preset_config(args.config, max_seq=args.max_length)
     with torch.device("meta"):
         shape = ModelShape.of(_workloads.LlamaForCausalLM(config), config)
@@ -226,9 +234,9 @@ def main(args: argparse.Namespace) -> None:
         for peer in args.peers:
             peer_rows.append(measure(builders[peer], args=args, shape=shape, device=device, label=peer))
     rows = list(peer_rows)
-    if not args.no_cai:
-        build = lambda: _workloads.cai(  # noqa: E731
-            config, batch, choice=choice, grad_ckpt=args.grad_checkpoint, kernels=args.kernels
+    for choice in [] if args.no_cai else choices:
+        build = lambda choice=choice: _workloads.cai(  # noqa: E731
+            config, batch, choice=choice, grad_ckpt=args.grad_checkpoint, kernels=args.kernels, lazy=args.lazy
         )
         rows.append(measure(build, args=args, shape=shape, device=device, label=f"cai {choice.label}"))
 
@@ -243,7 +251,7 @@ def main(args: argparse.Namespace) -> None:
         print(table(rows, [r for r in peer_rows if r.status == "ok"]), flush=True)
         out = os.environ.get("OUT")
         if out:
-            path = Path(out) / f"benchmark_{Path(args.config).name}_{choice.name}.json"
+            path = Path(out) / f"benchmark_{Path(args.config).name}_{'-'.join(args.plugins)}.json"
             meta = {k: v for k, v in vars(args).items()}
             meta.update(precision=precision, world_size=world, device=gpu, num_params=shape.num_params)
             path.write_text(json.dumps({"args": meta, "rows": [asdict(r) for r in rows]}, indent=2))
