@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -98,7 +99,11 @@ def _build(flags: list[str] | None = None) -> NativeAdam:
     flags = _compile_flags() if flags is None else flags
     key = _build_key(source.read_bytes(), flags)
     build_dir = cache_root() / "cpu_adam" / key
-    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home directory: build in the temporary directory instead
+        build_dir = Path(tempfile.gettempdir()) / f"cai-kernels-{os.getuid()}" / "cpu_adam" / key
+        build_dir.mkdir(parents=True, exist_ok=True)
     name = f"cai_cpu_adam_{key}"
     cached = build_dir / f"{name}.so"
     lock = build_dir / "lock"
