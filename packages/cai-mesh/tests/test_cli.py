@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from cai.mesh._cli import main
 from cai.mesh._cli_check import _report_kernels
@@ -211,8 +212,6 @@ def test_cai_check() -> None:
     proc = subprocess.run([*_cai(), "check"], env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    import torch
-
     for label in (
         "torch ",
         "torch built for CUDA",
@@ -260,3 +259,43 @@ def test_cli_requires_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as err:
         main([])
     assert err.value.code == 2 and "run,check" in capsys.readouterr().err
+
+
+NCCL_WORKER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from cai.mesh import ParallelDims, get_current_device, launch_from_torch
+
+    launch_from_torch(seed=1, verbose=False)
+    mesh = ParallelDims(dp=-1).build_mesh()
+    t = torch.full((1,), float(dist.get_rank() + 1), device=get_current_device())
+    dist.all_reduce(t, group=mesh.group(("dp", "sp")))
+    Path(sys.argv[1], f"rank{dist.get_rank()}.txt").write_text(f"{dist.get_backend()} {mesh.device_type} {t.item()}")
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cai_run_on_local_gpus_with_nccl(tmp_path: Path) -> None:
+    (tmp_path / "w.py").write_text(NCCL_WORKER)
+    n = torch.cuda.device_count()
+    cmd = [
+        *_cai(),
+        "run",
+        "--nproc_per_node",
+        str(n),
+        "--master_port",
+        str(_free_port()),
+        "w.py",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _results(tmp_path) == [f"nccl cuda {n * (n + 1) / 2}"] * n
