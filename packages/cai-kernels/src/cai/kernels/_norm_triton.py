@@ -67,14 +67,24 @@ def _norm_bwd_kernel(
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     # A while loop rather than range(): the interpreter (TRITON_INTERPRET=1) cannot index a runtime range.
+    # The next rows' x and dy are loaded before this row's arithmetic (manual pipelining, which a while loop
+    # does not get from the compiler), so each program keeps two rows of reads in flight.
     row = row_start
+    rows = row + tl.arange(0, BLOCK_M)
+    mask = (rows < row_end)[:, None] & cmask[None, :]
+    x_raw = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy_raw = tl.load(DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
     while row < row_end:
         rows = row + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        nrows64 = rows64 + BLOCK_M
+        nmask = (rows + BLOCK_M < row_end)[:, None] & cmask[None, :]
+        x_next = tl.load(X + nrows64[:, None] * stride_x + cols[None, :], mask=nmask, other=0.0)
+        dy_next = tl.load(DY + nrows64[:, None] * stride_dy + cols[None, :], mask=nmask, other=0.0)
+        x = x_raw.to(tl.float32)
+        dy = dy_raw.to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
         if IS_RMS:
             xhat = x * rstd[:, None]
@@ -95,6 +105,8 @@ def _norm_bwd_kernel(
         dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_B:
             db_acc += tl.sum(dy, axis=0)
+        x_raw = x_next
+        dy_raw = dy_next
         row += BLOCK_M
     tl.store(DW_PART + pid * N + cols, dw_acc, mask=cmask)
     if HAS_B:
