@@ -13,6 +13,7 @@ from cai.gemini._manager import ChunkManager
 from cai.gemini._memory import CudaMemoryTracker, MemoryTracker
 from cai.gemini._model import GeminiModel
 from cai.gemini._optim import GeminiOptimizer
+from cai.gemini._planner import MemoryPlan, PlanRow, TransformerShape, plan
 from cai.gemini._search import ChunkSearchResult, search_chunk_size
 
 GeminiDDP = GeminiModel  # Colossal-AI's name
@@ -31,9 +32,13 @@ __all__ = [
     "GeminiModel",
     "GeminiOptimizer",
     "LossScaleConfig",
+    "MemoryPlan",
     "MemoryTracker",
+    "PlanRow",
     "TensorState",
+    "TransformerShape",
     "__version__",
+    "plan",
     "search_chunk_size",
     "shard",
 ]

@@ -1,0 +1,276 @@
+"""Memory planner: predict per-rank peak device and host memory of each placement before training.
+
+[Note: planner model]
+Model data per rank, with P the padded chunk elements, T the trainable part, w the group size and b the working
+precision's bytes: working shard ``b * P / w`` (the whole ``b * P`` when a rank keeps chunks gathered), fp32 master
+and gradient ``8 * T / w`` and Adam moments ``8 * T / w``, each on the device or the host by placement; on the
+device also the gathered chunks in flight (current, prefetched and the one held into backward) and two gradient
+buffers. Non-model data is the activation estimate of a decoder-only transformer (``TransformerShape``): with
+checkpointing, each layer's input plus one layer recomputed in backward; without, every layer's saved tensors;
+plus the logits and the loss's fp32 copies, which dominate with large vocabularies. Host peak adds the model as
+built on the host before chunks take over (its largest point).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch.nn as nn
+
+from cai.gemini._config import ChunkConfig, GeminiConfig
+from cai.gemini._search import default_interval, pack, search_chunk_size
+
+__all__ = ["MemoryPlan", "PlanRow", "TransformerShape", "plan"]
+
+GiB = 1024**3
+_WORKSPACE = 768 * 1024**2  # cuBLAS / attention workspaces and allocator slack on the device
+_HOST_BASE = 3 * GiB  # the process itself: torch, CUDA context, libraries
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerShape:
+    """The sizes the activation estimate needs (read from a Hugging Face ``model.config`` when not given)."""
+
+    hidden: int
+    layers: int
+    ffn: int
+    vocab: int
+    heads: int
+    kv_heads: int
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> TransformerShape:
+        cfg = getattr(model, "config", None)
+        if cfg is None or not hasattr(cfg, "hidden_size"):
+            raise ValueError(
+                "plan: the model has no Hugging Face config to read its shape from; pass "
+                "shape=TransformerShape(hidden=..., layers=..., ffn=..., vocab=..., heads=..., kv_heads=...)"
+            )
+        heads = cfg.num_attention_heads
+        return cls(
+            hidden=cfg.hidden_size,
+            layers=cfg.num_hidden_layers,
+            ffn=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+            vocab=cfg.vocab_size,
+            heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        )
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    name: str
+    config: GeminiConfig
+    device_bytes: int
+    host_bytes: int
+    fits: bool
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The predicted peaks per placement; ``recommended`` is the fastest row that fits, ``advice`` says what
+    would fit when none does. ``str(plan)`` is a table."""
+
+    rows: list[PlanRow]
+    recommended: PlanRow | None
+    advice: str
+    gpu_budget_bytes: int
+    host_budget_bytes: int | None
+
+    def row(self, name: str) -> PlanRow:
+        return next(r for r in self.rows if r.name == name)
+
+    def __str__(self) -> str:
+        head = f"{'placement':<26} {'device GiB':>10} {'host GiB':>9}  fits"
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            mark = "*" if self.recommended is r else " "
+            lines.append(
+                f"{mark}{r.name:<25} {r.device_bytes / GiB:>10.2f} {r.host_bytes / GiB:>9.2f}  {'yes' if r.fits else 'no'}"
+            )
+        budget = f"device budget {self.gpu_budget_bytes / GiB:.2f} GiB"
+        if self.host_budget_bytes is not None:
+            budget += f", host budget {self.host_budget_bytes / GiB:.2f} GiB"
+        lines.append(budget)
+        lines.append(self.advice)
+        return "\n".join(lines)
+
+
+PLACEMENTS: dict[str, dict] = {
+    "no offload": {},
+    "optimizer on host": {"offload_optim_frac": 1.0},
+    "optimizer+params on host": {"offload_optim_frac": 1.0, "offload_param_frac": 1.0},
+}
+
+
+def _activations(s: TransformerShape, batch: int, seq: int, ckpt: bool, wbytes: int) -> dict[str, int]:
+    tokens = batch * seq
+    kv = s.hidden * s.kv_heads // s.heads
+    # tensors a decoder layer saves for backward, per token (flash attention: no score matrix)
+    per_layer = tokens * (wbytes * (6 * s.hidden + 2 * kv + 4 * s.ffn) + 4 * 4)
+    logits = tokens * s.vocab * (wbytes + 4 + 4)  # working-precision logits, fp32 copy, fp32 log-softmax
+    loss_backward = tokens * s.vocab * 4  # gradient of the fp32 logits
+    if ckpt:
+        saved = s.layers * tokens * s.hidden * wbytes
+        body = max(logits + loss_backward, 2 * per_layer)
+    else:
+        saved = s.layers * per_layer
+        body = logits + loss_backward
+    return {"saved activations": saved, "peak transient": body, "workspace": _WORKSPACE}
+
+
+def plan(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    gpu_budget_bytes: int,
+    *,
+    host_budget_bytes: int | None = None,
+    world_size: int = 1,
+    precision: str = "bf16",
+    activation_checkpointing: bool = True,
+    chunk: ChunkConfig | None = None,
+    max_prefetch: int = 0,
+    shape: TransformerShape | None = None,
+    init_dtype_bytes: int = 2,
+) -> MemoryPlan:
+    """Predict per-rank peak device and host memory of training ``model`` under each placement.
+
+    Args:
+        model: the model (only parameter counts and its shape are read; a model on the meta device works).
+        batch_size, seq_len: the per-rank micro-batch.
+        gpu_budget_bytes: device memory available to the process.
+        host_budget_bytes: host memory available (None: not checked).
+        world_size: ranks sharing the chunks.
+        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        activation_checkpointing: whether each decoder layer is recomputed in backward.
+        chunk: the chunk layout (default ``ChunkConfig(hidden_dim=hidden)``).
+        max_prefetch: chunks gathered ahead.
+        shape: the transformer's sizes when ``model`` has no Hugging Face config.
+        init_dtype_bytes: bytes per element of the model as built on the host (2 for bf16, 4 for fp32).
+
+    Returns:
+        A ``MemoryPlan``; ``print(plan)`` shows the table, the recommendation, and, when nothing fits, what
+        would (a larger budget, a smaller batch, or more ranks).
+
+    Example::
+
+        p = gemini.plan(model, 4, 2048, 24 * 2**30, host_budget_bytes=120 * 2**30)
+        print(p); config = p.recommended.config
+    """
+    shape = shape or TransformerShape.from_model(model)
+    cfg = GeminiConfig(precision=precision, max_prefetch=max_prefetch)  # type: ignore[arg-type]
+    wbytes = {"bf16": 2, "fp16": 2, "fp32": 4}[precision]
+    params = _unique_params(model)
+    chunk = chunk or ChunkConfig(hidden_dim=shape.hidden)
+    numels = [p.numel() for p in params]
+    if chunk.chunk_size:
+        csize = -(-chunk.chunk_size // world_size) * world_size
+    else:
+        csize = search_chunk_size(
+            numels,
+            search_range_m=chunk.search_range_m,
+            search_interval=default_interval(chunk.hidden_dim, chunk.search_interval),
+            min_chunk_size_m=chunk.min_chunk_size_m,
+            filter_exlarge_params=chunk.filter_exlarge_params,
+            world_size=world_size,
+        ).chunk_size
+    # the same packing as the chunk manager: trainable and frozen parameters in separate chunks
+    trained = _padded([n for n, p in zip(numels, params) if p.requires_grad], csize, world_size)
+    padded = trained + _padded([n for n, p in zip(numels, params) if not p.requires_grad], csize, world_size)
+    total = sum(numels)
+    act = _activations(shape, batch_size, seq_len, activation_checkpointing, wbytes)
+    non_model = sum(act.values())
+    rows = []
+    for name, kw in PLACEMENTS.items():
+        c = replace(cfg, chunk=chunk, **kw)
+        w = world_size
+        keep_all = w == 1 and not kw.get("offload_param_frac")
+        params = wbytes * padded if keep_all else wbytes * padded // w
+        optim = 16 * trained // w  # master + gradient + two moments, fp32
+        in_flight = 0 if keep_all else (2 + max_prefetch) * csize * wbytes
+        grad_buffers = 2 * csize * wbytes
+        dev = {"activations": non_model, "gathered chunks": in_flight, "gradient buffers": grad_buffers}
+        host = {"process": _HOST_BASE}
+        (host if kw.get("offload_param_frac") else dev)["parameter shards"] = params
+        (host if kw.get("offload_optim_frac") else dev)["master+grad+adam"] = optim
+        dev_total = sum(dev.values())
+        steady_host = sum(host.values())
+        build_host = _HOST_BASE + init_dtype_bytes * total + 4 * csize  # the model as built, one fp32 chunk
+        host_total = max(steady_host, build_host)
+        fits = dev_total <= gpu_budget_bytes and (
+            host_budget_bytes is None or host_total <= host_budget_bytes
+        )
+        rows.append(
+            PlanRow(
+                name, c, dev_total, host_total, fits, {**dev, **{f"host {k}": v for k, v in host.items()}}
+            )
+        )
+    recommended = next((r for r in rows if r.fits), None)
+    advice = (
+        f"recommended: {recommended.name}"
+        if recommended
+        else _advice(
+            rows,
+            model,
+            batch_size,
+            seq_len,
+            gpu_budget_bytes,
+            host_budget_bytes,
+            world_size,
+            precision,
+            activation_checkpointing,
+            chunk,
+            max_prefetch,
+            shape,
+            init_dtype_bytes,
+        )  # fmt: skip
+    )
+    return MemoryPlan(rows, recommended, advice, gpu_budget_bytes, host_budget_bytes)
+
+
+def _advice(
+    rows, model, batch, seq, gpu, host, world, precision, ckpt, chunk, prefetch, shape, init_bytes
+) -> str:
+    smallest = min(rows, key=lambda r: r.device_bytes)
+    parts = [f"nothing fits: '{smallest.name}' needs {smallest.device_bytes / GiB:.2f} GiB of device memory"]
+    if host is not None and smallest.host_bytes > host:
+        parts.append(f"and {smallest.host_bytes / GiB:.2f} GiB of host memory")
+    b = batch
+    while b > 1:
+        b //= 2
+        p = plan(model, b, seq, gpu, host_budget_bytes=host, world_size=world, precision=precision,
+                 activation_checkpointing=ckpt, chunk=chunk, max_prefetch=prefetch, shape=shape,
+                 init_dtype_bytes=init_bytes)  # fmt: skip
+        if p.recommended:
+            parts.append(f"; batch size {b} fits with '{p.recommended.name}'")
+            break
+    if not ckpt:
+        p = plan(model, batch, seq, gpu, host_budget_bytes=host, world_size=world, precision=precision,
+                 activation_checkpointing=True, chunk=chunk, max_prefetch=prefetch, shape=shape,
+                 init_dtype_bytes=init_bytes)  # fmt: skip
+        if p.recommended:
+            parts.append(f"; activation checkpointing fits with '{p.recommended.name}'")
+    for w in (2, 4, 8, 16, 32, 64):
+        if w <= world:
+            continue
+        p = plan(model, batch, seq, gpu, host_budget_bytes=host, world_size=w, precision=precision,
+                 activation_checkpointing=ckpt, chunk=chunk, max_prefetch=prefetch, shape=shape,
+                 init_dtype_bytes=init_bytes)  # fmt: skip
+        if p.recommended:
+            parts.append(f"; {w} ranks fit with '{p.recommended.name}'")
+            break
+    return " ".join(parts)
+
+
+def _padded(numels: list[int], csize: int, world: int) -> int:
+    total = 0
+    for idx in pack(numels, csize):
+        used = sum(numels[i] for i in idx)
+        total += -(-max(csize, used) // world) * world
+    return total
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    return list(model.parameters())  # parameters() yields tied tensors once

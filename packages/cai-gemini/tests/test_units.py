@@ -1,0 +1,141 @@
+"""Single-process logic tests: chunk-size search, packing, configuration checks, tensor states, memory tracking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cai.gemini import ChunkConfig, GeminiConfig, MemoryTracker, TensorState, search_chunk_size, shard
+from cai.gemini._chunk import _TRANSITIONS
+from cai.gemini._search import pack
+from cai.mesh.testing import TinyTransformer, make_batch
+
+M = 1024**2
+
+
+def test_pack_in_order_with_oversized_param() -> None:
+    assert pack([3, 3, 3, 10, 2], 6) == [[0, 1], [2], [3], [4]]
+
+
+@pytest.mark.parametrize(
+    ("numels", "kwargs", "size", "waste"),
+    [
+        # eight hidden x hidden matrices: the smallest size that holds a whole number of them wastes nothing
+        ([1024 * 1024] * 8, dict(search_range_m=2, search_interval=1024, min_chunk_size_m=1), 1 * M, 0),
+        # 3 x 1.5M: a 3M chunk holds two with nothing left; the third leaves 1.5M of its chunk unused
+        (
+            [3 * M // 2] * 3,
+            dict(search_range_m=4, search_interval=M // 2, min_chunk_size_m=1),
+            int(1.5 * M),
+            0,
+        ),
+        # 2M then 1M, 1M: 2M chunks waste nothing
+        ([2 * M, M, M], dict(search_range_m=1, search_interval=M // 4, min_chunk_size_m=0.5), 2 * M, 0),
+        # 3M, 1M, 3M, 1M: 4M chunks hold (3M, 1M) twice with no waste; smaller sizes leave gaps
+        ([3 * M, M, 3 * M, M], dict(search_range_m=2, search_interval=M // 2, min_chunk_size_m=1), 4 * M, 0),
+    ],
+)
+def test_search_known_sizes(numels: list[int], kwargs: dict, size: int, waste: int) -> None:
+    result = search_chunk_size(numels, **kwargs)
+    assert (result.chunk_size, result.waste) == (size, waste), str(result)
+
+
+def test_search_reports_waste_and_rounds_to_world() -> None:
+    numels = [1000, 3000, 2000, 500]
+    r = search_chunk_size(
+        numels, search_range_m=0.01, search_interval=100, min_chunk_size_m=0.001, world_size=4
+    )
+    assert r.chunk_size % 4 == 0
+    groups = pack(numels, r.chunk_size)
+    used = [sum(numels[i] for i in g) for g in groups]
+    assert r.waste == sum(max(r.chunk_size, u) - u for u in used) and r.num_chunks == len(groups)
+    assert 0 <= r.waste_frac < 1 and "waste" in str(r)
+
+
+def test_small_group_stays_gathered_and_exlarge_filtered() -> None:
+    r = search_chunk_size([100, 200], min_chunk_size_m=1, world_size=2)
+    assert r.keep_gathered and r.chunk_size == 300
+    # one huge embedding must not set the chunk size for the rest
+    numels = [M // 4] * 30 + [64 * M]
+    filtered = search_chunk_size(numels, search_range_m=0, search_interval=M // 4, min_chunk_size_m=0)
+    unfiltered = search_chunk_size(
+        numels, search_range_m=0, search_interval=M // 4, min_chunk_size_m=0, filter_exlarge_params=False
+    )
+    assert filtered.chunk_size == M // 4 and unfiltered.chunk_size == 64 * M
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(placement_policy="cuda"), "placement_policy"),
+        (dict(precision="fp8"), "precision"),
+        (dict(offload_optim_frac=1.5), "offload_optim_frac=1.5"),
+        (dict(shard_param_frac=0.5, offload_param_frac=0.5), "shard_param_frac=1.0"),
+        (dict(placement_policy="auto", offload_optim_frac=0.5), "placement_policy='static'"),
+        (dict(max_prefetch=-1), "max_prefetch"),
+        (dict(norm_type=1.0), "norm_type"),
+    ],
+)
+def test_config_errors_name_the_values(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        GeminiConfig(**kwargs)
+    with pytest.raises(ValueError, match="chunk_size"):
+        ChunkConfig(chunk_size=0)
+
+
+def test_state_transitions_are_the_documented_ones() -> None:
+    assert TensorState.COMPUTE in _TRANSITIONS[TensorState.FREE]
+    assert TensorState.HOLD_AFTER_BWD in _TRANSITIONS[TensorState.READY_FOR_REDUCE]
+    assert TensorState.FREE not in _TRANSITIONS[TensorState.READY_FOR_REDUCE]  # gradients are never dropped
+    assert set(_TRANSITIONS) == set(TensorState)
+
+
+def test_rejects_unsupported_optimizer() -> None:
+    model = TinyTransformer()
+    with pytest.raises(TypeError, match="SGD is not supported"):
+        shard(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            config=GeminiConfig(precision="fp32"),
+            device="cpu",
+        )
+
+
+def test_released_chunks_hold_no_memory_and_params_keep_identity() -> None:
+    model = TinyTransformer()
+    weight = model.blocks[0].up.weight
+    tracker = MemoryTracker()
+    cfg = GeminiConfig(
+        precision="fp32", offload_param_frac=1.0, chunk=ChunkConfig(chunk_size=3000, min_chunk_size_m=0)
+    )
+    gm, _ = shard(model, None, config=cfg, device="cpu", memory=tracker)
+    assert gm.module.blocks[0].up.weight is weight
+    assert weight.untyped_storage().nbytes() == 0  # released after construction
+    assert tracker.model_bytes("device", "gathered") == sum(
+        c.chunk_size * 4 for c in gm.chunks if c.keep_gathered
+    )
+    ids, _ = make_batch()
+    with torch.no_grad():
+        gm(ids)
+    assert weight.untyped_storage().nbytes() == 0  # inference releases everything at the end
+    assert tracker.moved["h2d"] > 0
+
+
+def test_bf16_and_fp16_train_single_process() -> None:
+    for precision in ("bf16", "fp16"):
+        model = TinyTransformer()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cfg = GeminiConfig(
+            precision=precision, offload_optim_frac=1.0, chunk=ChunkConfig(min_chunk_size_m=0.001)
+        )
+        gm, gopt = shard(model, opt, config=cfg, device="cpu")
+        losses = []
+        for step in range(8):
+            ids, labels = make_batch(seed=step % 2)
+            loss = gm.module.loss(gm(ids), labels)
+            gopt.backward(loss)
+            gopt.step()
+            gopt.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0] - 0.5, (precision, losses)
+        assert gm.chunks[0].full.dtype == cfg.working_dtype and gm.chunks[0].master.dtype == torch.float32
