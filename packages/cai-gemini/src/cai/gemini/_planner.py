@@ -225,7 +225,7 @@ def plan(
             max_prefetch,
             shape,
             init_dtype_bytes,
-        )  # fmt: skip
+        )
     )
     return MemoryPlan(rows, recommended, advice, gpu_budget_bytes, host_budget_bytes)
 
