@@ -81,3 +81,28 @@ def test_tuner_times_candidates_once():
     assert first in ("a", "b") and set(calls) == {"a", "b"}
     calls.clear()
     assert _tune.pick(("test", 1), ["a", "b"], run, x.device) == first and not calls
+
+
+def test_patched_tiny_llama_bf16_matches_unpatched(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    from cai.kernels import patch_hf_model
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 1000, (2, 128), device="cuda")
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    model = patch_hf_model(transformers.LlamaForCausalLM(config).cuda().to(torch.bfloat16))
+    model.load_state_dict(ref.state_dict())
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.logits is None
+    assert abs(out.loss.item() - ref_loss.item()) < 2e-2 * ref_loss.item()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, ref_params[name].grad) < 0.1, name
