@@ -110,6 +110,24 @@ def test_modules_match_torch_layer_norm(impl, device):
     assert torch.equal(s, x + x)
 
 
+@pytest.mark.parametrize("used", ["y", "residual"])
+def test_one_output_unused(used, impl, device):
+    x = torch.randn(5, 24, device=device, requires_grad=True)
+    r = torch.randn(5, 24, device=device, requires_grad=True)
+    w = torch.randn(24, device=device, requires_grad=True)
+    y, s = rms_norm(x, w, residual=r)
+    (y if used == "y" else s).pow(2).sum().backward()
+    xd, rd, wd = (t.detach().double().requires_grad_() for t in (x, r, w))
+    yd, sd = reference(xd, rd, wd, None, 1e-6, True)
+    (yd if used == "y" else sd).pow(2).sum().backward()
+    for name, t, td in [("dx", x, xd), ("dres", r, rd)]:
+        assert_rel(t.grad, td.grad, 1e-5, name)
+    if used == "y":
+        assert_rel(w.grad, wd.grad, 1e-5, "dw")
+    else:
+        assert w.grad is None or not w.grad.any()
+
+
 def test_hf_output_dtype_with_fp32_weight(impl, device):
     # Hugging Face's LlamaRMSNorm returns promote(input, weight): bf16 input with an fp32 weight gives fp32.
     y = rms_norm(torch.randn(4, 16, device=device, dtype=torch.bfloat16), torch.ones(16, device=device))

@@ -33,6 +33,7 @@ class _NormFunction(torch.autograd.Function):
         ctx.has_res = residual is not None
         ctx.shape = shape
         ctx.x_dtype = x.dtype
+        ctx.set_materialize_grads(False)  # an unused residual output then costs no zero-filled gradient
         if residual is None:
             return y.view(shape)
         return y.view(shape), res_out.view(shape)
@@ -43,6 +44,10 @@ class _NormFunction(torch.autograd.Function):
 
         x2d, weight, bias, mean, rstd = ctx.saved_tensors
         n = ctx.shape[-1]
+        if dy is None:  # only the residual output was used
+            dy = torch.zeros(
+                ctx.shape, dtype=torch.promote_types(ctx.x_dtype, weight.dtype), device=x2d.device
+            )
         dy2d = dy.reshape(-1, n)
         if dy2d.stride(-1) != 1:
             dy2d = dy2d.contiguous()
