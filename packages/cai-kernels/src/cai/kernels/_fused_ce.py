@@ -92,16 +92,17 @@ class _FusedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, hidden, weight, bias, labels, opts):
-        ignore_index, smoothing, z_loss, reduction, chunk, group, vocab_start, dtype = opts
+        ignore_index, smoothing, z_loss, reduction, chunk, group, vocab_start, dtype, grad_mode = opts
         lead_shape = hidden.shape[:-1]
         h2d = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
         y = labels.reshape(-1).to(device=h2d.device, dtype=torch.long)
         t, v_local = h2d.shape[0], weight.shape[0]
         w = weight.to(dtype)  # a copy only when the weight is kept in another dtype (fp32 master weights)
         b = bias.to(dtype) if bias is not None else None
-        need_h = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
+        # forward() always runs with grad disabled: the caller's grad mode travels in opts.
+        need_h = grad_mode and ctx.needs_input_grad[0]
+        need_w = grad_mode and ctx.needs_input_grad[1]
+        need_b = grad_mode and bias is not None and ctx.needs_input_grad[2]
         need_grad = need_h or need_w or need_b
         triton_path = use_triton(h2d)
         stats_fn = _stats_triton if triton_path else _stats_torch
@@ -258,5 +259,5 @@ def fused_linear_cross_entropy(
         process_group,
         vocab_start_index,
     )
-    opts += (dtype,)
+    opts += (dtype, torch.is_grad_enabled())
     return _FusedLinearCE.apply(hidden, weight, bias, labels, opts)
