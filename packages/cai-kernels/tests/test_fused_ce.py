@@ -85,7 +85,7 @@ def test_matches_cross_entropy_float64(case, impl, device):
         assert err <= grad_tol * r.grad.abs().max().item(), f"{name}: {err}"
 
 
-def test_batched_hidden_and_no_grad(impl, monkeypatch):  # impl sets the env through monkeypatch too
+def test_batched_hidden_and_no_grad(impl, monkeypatch):
     from cai.kernels import _fused_ce
 
     h, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(11, 8)
