@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from cai.mesh import LocalShard, assemble
 from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -23,8 +24,8 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 64
 SEQ = 12
 GLOBAL_BATCH = 4
-PLUGINS = ("ddp", "fsdp", "zero1", "zero2")
-LOAD_WORLD = {"ddp": 1, "fsdp": 4, "zero1": 2, "zero2": 4}  # every pair changes the layout
+PLUGINS = ("ddp", "fsdp", "zero1", "zero2", "gemini")
+LOAD_WORLD = {"ddp": 1, "fsdp": 4, "zero1": 2, "zero2": 4, "gemini": 2}  # every pair changes the layout
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -44,8 +45,10 @@ def tiny_llama() -> torch.nn.Module:
 
 
 def make_plugin(name: str):
-    from cai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+    from cai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
+    if name == "gemini":
+        return GeminiPlugin(precision="fp32")
     if name == "ddp":
         return TorchDDPPlugin()
     if name == "fsdp":
@@ -81,11 +84,14 @@ def train_step(booster, model, opt, ids: torch.Tensor) -> float:
     return total.item() / dist.get_world_size()
 
 
-def full_params(model) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-        for n, p in model.unwrap().named_parameters()
-    }
+def full_params(booster, model) -> dict[str, torch.Tensor]:
+    """Every parameter assembled from all ranks' pieces of the plugin's state."""
+    state = booster.plugin.model_state(model).sharded_state_dict()
+    pieces = {n: (s.tensor.detach().float().cpu().clone(), s.spec) for n, s in state.items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    names = {n for n, _ in model.unwrap().named_parameters()}
+    return {n: assemble([LocalShard(*r[n]) for r in everyone if n in r]) for n in names}
 
 
 def shared_tmpdir() -> str:
@@ -102,7 +108,7 @@ def save_run(name: str) -> dict:
     booster.save_model(model, os.path.join(path, "model"), shard=True, size_per_shard=0.01)
     booster.save_optimizer(opt, os.path.join(path, "optim"), shard=True, size_per_shard=0.01)
     losses = [train_step(booster, model, opt, batch(step)) for step in range(3, 6)]
-    return {"path": path, "losses": losses, "params": full_params(model)}
+    return {"path": path, "losses": losses, "params": full_params(booster, model)}
 
 
 def load_run(name: str, path: str) -> dict:
@@ -110,7 +116,7 @@ def load_run(name: str, path: str) -> dict:
     booster.load_model(model, os.path.join(path, "model"))
     booster.load_optimizer(opt, os.path.join(path, "optim"))
     losses = [train_step(booster, model, opt, batch(step)) for step in range(3, 6)]
-    return {"losses": losses, "params": full_params(model)}
+    return {"losses": losses, "params": full_params(booster, model)}
 
 
 _SAVED: dict[str, dict] = {}

@@ -320,7 +320,7 @@ class Booster:
 
         return cai.ckpt.load_state(
             checkpoint,
-            model=self.plugin.model_state(model),
+            model=LoadView(self.plugin.model_state(model)),
             optimizer=self._optimizer_state(optimizer, model, for_load=True)
             if optimizer is not None
             else None,
