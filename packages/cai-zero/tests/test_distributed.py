@@ -57,17 +57,20 @@ def _reference(steps: int, batch: int) -> list[dict[str, torch.Tensor]]:
 class CommCase:
     stage: int
     accum: int
+    bf16_fp32_comm: bool = False  # bf16 parameters reduced in fp32
 
     @property
     def id(self) -> str:
-        return f"zero{self.stage}-accum{self.accum}"
+        return f"zero{self.stage}-accum{self.accum}" + ("-bf16-fp32comm" if self.bf16_fp32_comm else "")
 
 
 def _count_step(case: CommCase) -> dict:
     model = _model()
-    opt = ZeroOptimizer(
-        _adamw(model), model=model, config=ZeroConfig(stage=case.stage, bucket_size_mb=BUCKET_MB)
-    )
+    comm = None
+    if case.bf16_fp32_comm:
+        model, comm = model.to(torch.bfloat16), torch.float32
+    cfg = ZeroConfig(stage=case.stage, bucket_size_mb=BUCKET_MB, comm_dtype=comm)
+    opt = ZeroOptimizer(_adamw(model), model=model, config=cfg)
     ids, labels = make_batch(batch_size=2 * case.accum * 2, seq_len=16, vocab_size=64, seed=0)
     with CollectiveCounter() as cc:
         for i in range(case.accum):
@@ -78,14 +81,17 @@ def _count_step(case: CommCase) -> dict:
     return {
         "events": [(e.op, e.nbytes) for e in cc.events],
         "buckets": len(opt.buckets),
-        "padded_bytes": sum(b.padded for b in opt.buckets) * 4,
+        "padded": sum(b.padded for b in opt.buckets),
         "numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
 
 
-@pytest.mark.parametrize(
-    "case", [CommCase(stage=s, accum=k) for s in (1, 2) for k in (1, 4)], ids=lambda c: c.id
-)
+COMM_CASES = [CommCase(stage=s, accum=k) for s in (1, 2) for k in (1, 4)] + [
+    CommCase(stage=2, accum=1, bf16_fp32_comm=True)
+]
+
+
+@pytest.mark.parametrize("case", COMM_CASES, ids=lambda c: c.id)
 def test_one_reduction_and_one_gather_of_the_padded_parameters(case: CommCase) -> None:
     got = run_distributed(_count_step, 2, case)[0]
     ops = {}
@@ -94,11 +100,12 @@ def test_one_reduction_and_one_gather_of_the_padded_parameters(case: CommCase) -
         ops[op] = (n + 1, b + nbytes)
     reduce_op = "reduce_scatter_tensor" if case.stage == 2 else "all_reduce"
     assert set(ops) == {reduce_op, "all_gather_into_tensor"}, ops
-    assert ops[reduce_op] == (got["buckets"], got["padded_bytes"])
-    assert ops["all_gather_into_tensor"] == (got["buckets"], got["padded_bytes"])
+    param_bytes = 2 if case.bf16_fp32_comm else 4
+    assert ops[reduce_op] == (got["buckets"], got["padded"] * 4)  # fp32 reduction in every case
+    assert ops["all_gather_into_tensor"] == (got["buckets"], got["padded"] * param_bytes)
     assert 1 < got["buckets"] < 20
     # padding is at most world_size - 1 elements per bucket
-    assert got["numel"] * 4 <= got["padded_bytes"] < (got["numel"] + got["buckets"] * 2) * 4
+    assert got["numel"] <= got["padded"] < got["numel"] + got["buckets"] * 2
 
 
 # ---- fp16 overflow ------------------------------------------------------------------------------------------------

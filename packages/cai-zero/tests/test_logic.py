@@ -168,7 +168,7 @@ def test_overlap_cpu_step_requirements() -> None:
         ZeroConfig(overlap_cpu_step=True, cpu_offload=True, max_norm=1.0)
     model = _mlp()
     config = ZeroConfig(cpu_offload=True, overlap_cpu_step=True)
-    with pytest.raises(ValueError, match="needs cai.kernels.optim.CPUAdam/HybridAdam"):
+    with pytest.raises(ValueError, match=r"needs cai\.kernels\.optim\.CPUAdam/HybridAdam"):
         ZeroOptimizer(torch.optim.AdamW(model.parameters()), model=model, config=config)
     opt = ZeroOptimizer(CPUAdam(model.parameters()), model=model, config=config)
     x = torch.randn(4, 8)

@@ -111,6 +111,7 @@ class HostOffload:
             step=state["step"].item(), lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], adamw_mode=group.get("adamw_mode", True),
             bias_correction=group.get("bias_correction", True), out=self._buffer(self._param_buf, b, b.dtype),
+            num_threads=self._threads,
         )  # fmt: skip
         self._written.add(b.index)
 
