@@ -143,11 +143,19 @@ GROUPS: list[tuple[str, ...]] = [
 ]
 
 
+# The documented layout, outer to inner: tp innermost (consecutive ranks), pp outermost.
+LAYOUT = ("pp", "dp", "ep", "sp", "tp")
+
+
+def test_axis_order_is_the_documented_one() -> None:
+    assert AXES == LAYOUT
+
+
 def _expected(case: MeshCase, rank: int, axes: tuple[str, ...]) -> list[int]:
-    """Ranks of ``rank``'s group over ``axes``, from the documented row-major layout (pp, dp, ep, sp, tp)."""
-    shape = [getattr(case, a) for a in AXES]
-    coords = {r: dict(zip(AXES, c)) for r, c in enumerate(itertools.product(*(range(s) for s in shape)))}
-    members = [r for r in coords if all(coords[r][a] == coords[rank][a] for a in AXES if a not in axes)]
+    """Ranks of ``rank``'s group over ``axes``, from the documented row-major layout."""
+    shape = [getattr(case, a) for a in LAYOUT]
+    coords = {r: dict(zip(LAYOUT, c)) for r, c in enumerate(itertools.product(*(range(s) for s in shape)))}
+    members = [r for r in coords if all(coords[r][a] == coords[rank][a] for a in LAYOUT if a not in axes)]
     return sorted(members)
 
 
