@@ -161,7 +161,7 @@ def _train_and_save(steps: int) -> dict:
         return {k: (v.tensor.detach().clone(), v.spec) for k, v in d.items()}
 
     return {"model": cpu(opt.model_sharded_state_dict()), "optim": cpu(opt.sharded_state_dict()),
-            "groups": opt.param_groups_state()}  # fmt: skip
+            "groups": opt.param_groups_state(), "full": opt.state_dict()}  # fmt: skip
 
 
 def _load_and_continue(full: dict, groups: list, start: int, steps: int) -> list:
@@ -197,6 +197,10 @@ def test_state_saved_at_dp4_continues_identically_at_dp2() -> None:
     full = {name: assemble(p) for name, p in pieces.items()}
     assert "blocks.0.qkv.bias" in full and "blocks.0.qkv.bias.exp_avg" not in full  # frozen: weights only
     assert full["head.weight.step"].item() == 3.0
+    for rank_state in saved:  # the gathered full state agrees with the assembled pieces on every rank
+        for pname, entry in rank_state["full"]["state"].items():
+            for key, tensor in entry.items():
+                assert torch.equal(tensor, full[f"{pname}.{key}"]), f"{pname}.{key}"
     got = run_distributed(_load_and_continue, 2, full, saved[0]["groups"], 3, 3)[0]
     ref = _reference(6, 8)
     for i, step in enumerate(range(3, 6)):

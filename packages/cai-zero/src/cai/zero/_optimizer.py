@@ -410,9 +410,12 @@ class ZeroOptimizer:
             b.grad_shard = None
             b.grad = None
             b.reduced_in_window = 0
+            b.received = 0
             for s in b.slots:
                 s.param.grad = None
         self._accumulated = False
+        self._in_backward = False  # in case a backward raised half-way
+        self._next_bucket = 0
 
     # ---- state: the layout-independent protocol and full state dicts live in _state.py ----------------------
     sharded_state_dict = _state.sharded_state_dict
