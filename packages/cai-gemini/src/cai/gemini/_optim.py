@@ -323,10 +323,12 @@ class GeminiOptimizer(torch.optim.Optimizer):
         """Full optimizer state on the host by parameter name (one all-gather per chunk and state tensor)."""
         state: dict[str, dict[str, torch.Tensor]] = {}
         gidx = self._group_index()
+        stepped = bool(self._chunk_state)
         for c in self._trainable():
-            st = self._chunk_state.get(c.index)
-            if st is None:
-                continue
+            if not stepped:
+                break
+            # every rank gathers every chunk, including chunks whose local shard is only padding here
+            st = self._state(c)
             fulls = {k: gather_full(c, v) for k, v in st.items()}
             for t in c.tensors:
                 if t.name in gidx:
