@@ -221,11 +221,13 @@ def main() -> None:
         measure(b, shape, batch, warmup=args.warmup, steps=args.steps, grad_ckpt=grad_ckpt, peer=p)
         for b, p in rows
     ]
-    report(results, args, preset, batch_size, seq, device)
+    report(results, args, preset, batch_size, seq, device, shape)
     dist.destroy_process_group()
 
 
-def report(results: list[dict], args, preset: str, batch_size: int, seq: int, device: torch.device) -> None:
+def report(
+    results: list[dict], args, preset: str, batch_size: int, seq: int, device: torch.device, shape
+) -> None:
     base = results[0]
     ok = [r for r in results if "error" not in r]
     no_offload = next((r for r in ok if "cpu_offload" not in r["name"] and "cai-zero" in r["name"]), None)
@@ -260,12 +262,48 @@ def report(results: list[dict], args, preset: str, batch_size: int, seq: int, de
                     if "error" not in base
                     else ""
                 )
+    if args.offload:
+        bound = offload_bound(shape, no_offload)
+        print(bound["text"])
+        results.append({"name": "offload bound estimate", **{k: v for k, v in bound.items() if k != "text"}})
     out = os.environ.get("OUT")
     if out:
         path = Path(out) / ("bench_zero_offload.json" if args.offload else "bench_zero.json")
         path.write_text(
             json.dumps({"preset": preset, "batch": batch_size, "seq": seq, "rows": results}, indent=1)
         )
+
+
+def offload_bound(shape: ModelShape, no_offload: dict | None) -> dict:
+    """What bounds cpu_offload: bf16 gradients down and bf16 parameters up over PCIe, and the CPU Adam rate.
+
+    Measures this host's CPU Adam (fp32 master, bf16 gradient, bf16 copy-out, all threads) on 2^26 elements.
+    """
+    from cai.kernels.optim import adam_update, cpu_adam_status
+
+    n = 1 << 26
+    pin = torch.cuda.is_available()
+    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    g = torch.randn(n, dtype=torch.bfloat16, pin_memory=pin)
+    out = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin)
+    times = []
+    for step in range(1, 5):
+        t0 = time.perf_counter()
+        adam_update(p, g, m, v, step=step, lr=1e-5, weight_decay=0.01, out=out)
+        times.append(time.perf_counter() - t0)
+    rate = n / statistics.median(times[1:])  # elements/s
+    N = shape.num_params
+    pcie_s = 2 * (2 * N) / 55e9  # bf16 gradients down + bf16 parameters up, at the measured 55 GB/s pinned
+    adam_s = N / rate
+    gpu_s = no_offload["step_ms"] / 1e3 if no_offload else float("nan")
+    text = (
+        f"offload bound: CPU Adam ({cpu_adam_status()[0]}, {torch.get_num_threads()} threads) {rate / 1e9:.2f} G elem/s "
+        f"-> {1e3 * adam_s:.0f} ms for {N / 1e9:.2f}B params; PCIe 2 x {2 * N / 1e9:.1f} GB at 55 GB/s -> "
+        f"{1e3 * pcie_s:.0f} ms; GPU step without offload {1e3 * gpu_s:.0f} ms. Without overlap a step costs about "
+        f"GPU + Adam + copy-up = {1e3 * (gpu_s + adam_s + pcie_s / 2):.0f} ms; with the CPU step overlapped with "
+        f"backward, about max(GPU, forward + Adam) + copy-up."
+    )
+    return {"text": text, "cpu_adam_elems_per_s": rate, "pcie_ms": 1e3 * pcie_s, "cpu_adam_ms": 1e3 * adam_s}
 
 
 if __name__ == "__main__":

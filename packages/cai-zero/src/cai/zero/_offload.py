@@ -46,9 +46,10 @@ class HostOffload:
         self._landed: dict[int, torch.cuda.Event] = {}
         self._copied_back: dict[int, torch.cuda.Event] = {}
         self._futures: dict[int, Future] = {}
-        self._written: set[int] = (
-            set()
-        )  # buckets whose pinned parameter buffer holds the latest step's output
+        # buckets whose pinned parameter buffer holds the latest step's output
+        self._written: set[int] = set()
+        # while overlapped with backward, leave one core to the Python thread that feeds the GPU
+        self._threads = max(1, torch.get_num_threads() - 1) if self.pool is not None else None
 
     def _buffer(self, cache: dict, b: Bucket, dtype: torch.dtype) -> torch.Tensor:
         buf = cache.get(b.index)
