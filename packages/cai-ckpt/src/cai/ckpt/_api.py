@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from cai.ckpt._codec import decode, encode
@@ -26,7 +27,7 @@ from cai.ckpt._load import CheckpointReader
 from cai.ckpt._optim import TorchOptimizerAdapter
 from cai.ckpt._plan import local_metadata
 from cai.ckpt._save import full_state, join, write_sharded
-from cai.ckpt._txn import IO_THREADS, Transaction, finish, run_parallel, wait
+from cai.ckpt._txn import IO_THREADS, Transaction, dist_info, finish, run_parallel, wait
 from cai.mesh import LocalShard, ShardSpec
 
 
@@ -236,13 +237,29 @@ def save_optimizer(
     finish(txn, use_async=use_async)
 
 
-def prepare_model_load(target: Any, path: Path, *, strict: bool, verify: bool) -> Callable[[], None]:
+def _union_over_ranks(shapes: dict[str, tuple[int, ...]], group: Any) -> dict[str, tuple[int, ...]]:
+    """Names and global shapes reported by any rank: a sharded object lists only the pieces it holds (a small
+    ZeRO tensor can lie wholly on another rank), while a checkpoint holds them all."""
+    _, world = dist_info(group)
+    if world == 1:
+        return shapes
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, shapes, group=group)
+    out: dict[str, tuple[int, ...]] = {}
+    for other in everyone:
+        out.update(other)
+    return out
+
+
+def prepare_model_load(
+    target: Any, path: Path, *, strict: bool, verify: bool, group: Any = None
+) -> Callable[[], None]:
     """Check everything about loading ``path`` into ``target``; returns the function that loads it."""
     target = unwrap(target)
     reader = CheckpointReader(path, index_name=MODEL_INDEX_NAME, single_name=MODEL_SINGLE_NAME, verify=verify)
     if hasattr(target, "load_sharded_state_dict"):
-        expected = {k: s.spec.global_shape for k, s in target.sharded_state_dict().items()}
-        reader.check(expected, strict=strict)
+        local = {k: s.spec.global_shape for k, s in target.sharded_state_dict().items()}
+        reader.check(_union_over_ranks(local, group), strict=strict)
 
         def apply() -> None:
             with reader:
@@ -287,7 +304,9 @@ def prepare_model_load(target: Any, path: Path, *, strict: bool, verify: bool) -
     return apply
 
 
-def load_model(target: Any, path: str | Path, *, strict: bool = True, verify: bool = False) -> None:
+def load_model(
+    target: Any, path: str | Path, *, strict: bool = True, verify: bool = False, group: Any = None
+) -> None:
     """Load a model checkpoint (cai's or a Hugging Face safetensors directory) into ``target``, any layout.
 
     Args:
@@ -295,12 +314,13 @@ def load_model(target: Any, path: str | Path, *, strict: bool = True, verify: bo
             each rank reads only the slices its layout needs.
         strict: missing or unexpected keys raise ``CheckpointError`` listing them (tied weights stored once are fine).
         verify: check every file's CRC32 against the manifest first.
+        group: the ranks that load together (a sharded target's keys are checked as their union).
 
     Shapes are checked, each damaged file is named, and tensors are converted to the target's dtype.
     Nothing is copied until every check has passed.
     """
     wait()
-    prepare_model_load(target, Path(path), strict=strict, verify=verify)()
+    prepare_model_load(target, Path(path), strict=strict, verify=verify, group=group)()
 
 
 def prepare_optimizer_load(
@@ -314,7 +334,7 @@ def prepare_optimizer_load(
     names = {n for g in view.param_groups_state() for n in g["params"]}
     saved = {n for g in groups_doc["param_groups"] for n in g["params"]}
     missing, unexpected = names - saved, (saved - names) if strict else set()
-    foreign = sorted(k for k in reader.weight_map if k.rsplit(".", 1)[0] not in names) if strict else []
+    foreign = sorted(k for k in reader.names() if k.rsplit(".", 1)[0] not in names) if strict else []
     if missing or unexpected or foreign:
         raise CheckpointError(
             f"optimizer checkpoint {path} does not match the optimizer: parameters missing from the checkpoint "
@@ -335,9 +355,7 @@ def prepare_optimizer_load(
 
     def apply() -> None:
         with reader:
-            tensors = {
-                k: reader.read(k, ShardSpec.full(reader.header(k)["shape"])) for k in reader.weight_map
-            }
+            tensors = {k: reader.read(k, ShardSpec.full(reader.header(k)["shape"])) for k in reader.names()}
         view.load(groups_doc["param_groups"], tensors, groups_doc.get("scalar_state") or {})
 
     return apply

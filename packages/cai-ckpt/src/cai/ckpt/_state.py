@@ -187,7 +187,7 @@ def load_state(
     wait()
     root = _resolve(Path(path), step)
     manifest = read_json(root / MANIFEST_NAME)
-    loads = [prepare_model_load(model, root / "model", strict=strict, verify=verify)]
+    loads = [prepare_model_load(model, root / "model", strict=strict, verify=verify, group=group)]
     if optimizer is not None:
         loads.append(
             prepare_optimizer_load(optimizer, root / "optimizer", unwrap(model), strict=strict, verify=verify)
