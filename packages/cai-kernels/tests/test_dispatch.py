@@ -5,6 +5,7 @@ import torch
 
 import cai.kernels as ck
 from cai.kernels import _dispatch
+from cai.kernels.optim import cpu_adam_status
 
 
 def test_report_lists_every_kernel(monkeypatch):
@@ -17,9 +18,12 @@ def test_report_lists_every_kernel(monkeypatch):
         "rotary",
         "swiglu",
         "fused_linear_cross_entropy",
+        "cpu_adam",
     ]
     expected = "triton" if torch.cuda.is_available() else "torch"
-    assert all(impl == expected and reason for _, impl, reason in rows)
+    assert all(impl == expected and reason for _, impl, reason in rows[:-1])
+    assert rows[-1][1:] == cpu_adam_status() and rows[-1][2]
+    assert rows[-1][1] in ("native-avx512", "native-avx2", "native-scalar", "torch-fused")
     if not torch.cuda.is_available():
         assert "no CUDA device" in rows[0][2]
 
@@ -27,7 +31,9 @@ def test_report_lists_every_kernel(monkeypatch):
 def test_fallback_variable_wins(monkeypatch):
     monkeypatch.setenv("CAI_KERNELS_FALLBACK", "1")
     monkeypatch.setenv("CAI_KERNELS_IMPL", "triton")
-    assert ck.kernel_report()[0][1:] == ("torch", "CAI_KERNELS_FALLBACK is set")
+    report = ck.kernel_report()
+    assert report[0][1:] == ("torch", "CAI_KERNELS_FALLBACK is set")
+    assert report[-1][0] == "cpu_adam" and report[-1][1] == "torch-fused"  # the fallback covers CPU Adam too
     assert not _dispatch.use_triton(torch.zeros(1))
     x = torch.randn(3, 8, requires_grad=True)
     assert "_NormFunction" not in type(ck.rms_norm(x, torch.ones(8)).grad_fn).__name__

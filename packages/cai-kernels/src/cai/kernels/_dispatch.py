@@ -92,7 +92,13 @@ def kernel_report() -> list[tuple[str, str, str]]:
     Returns:
         `[(kernel name, "triton" | "torch" | "error", reason), ...]`, one row per kernel in
         `rms_norm, layer_norm, rotary, swiglu, fused_linear_cross_entropy`. CPU tensors always take the torch
-        path unless `CAI_KERNELS_IMPL=triton` and `TRITON_INTERPRET=1`. `cai check` prints this table.
+        path unless `CAI_KERNELS_IMPL=triton` and `TRITON_INTERPRET=1`. A last row `("cpu_adam", impl, reason)`
+        says what CPUAdam/HybridAdam use for CPU parameters (`cai.kernels.optim.cpu_adam_status()`:
+        `native-avx512 | native-avx2 | native-scalar | torch-fused`; the first call builds the native library).
+        `cai check` prints this table.
     """
+    # Imported here: the optimizer package must not load (or build) anything when only kernels are used.
+    from cai.kernels.optim import cpu_adam_status
+
     impl, why = _choice()
-    return [(name, impl, why) for name in KERNEL_NAMES]
+    return [(name, impl, why) for name in KERNEL_NAMES] + [("cpu_adam", *cpu_adam_status())]

@@ -17,25 +17,25 @@ def ce_stats_kernel(
     local = label - vocab_start
     is_local = (label != ignore_index) & (local >= 0) & (local < V)
     cols = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    # Online sum-exp against a running row maximum (a scalar): one exp per logit plus one per block, where a
+    # per-lane maximum would need two per logit (the SFU work then rivals the memory time of the read).
+    m_row = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
     se = tl.zeros([BLOCK_V], tl.float32)
     sx = tl.zeros([BLOCK_V], tl.float32)
-    # Online max / sum-exp, kept per lane and combined at the end (one read of the row).
     # A while loop rather than range(): the interpreter (TRITON_INTERPRET=1) cannot index a runtime range.
     start = 0
     while start < V:
         offs = start + cols
         mask = offs < V
         x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        # Lanes that have only seen padding (-inf) shift by 0 instead of -inf, so no inf - inf appears.
+        m_new = tl.maximum(m_row, tl.max(x, axis=0))
+        # While every logit seen is -inf (a -inf bias), shift by 0 instead of -inf, so no inf - inf appears.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        se = se * tl.exp(m - shift) + tl.exp(x - shift)
-        m = m_new
+        se = se * tl.exp(m_row - shift) + tl.exp(x - shift)
+        m_row = m_new
         sx += tl.where(mask, x, 0.0)
         start += BLOCK_V
-    m_row = tl.max(m, axis=0)
-    se_row = tl.sum(se * tl.exp(tl.where(m == float("-inf"), m_row, m) - m_row), axis=0)
+    se_row = tl.sum(se, axis=0)
     tl.store(MAX_OUT + row, m_row)
     tl.store(SUMEXP_OUT + row, se_row)
     tl.store(SUMX_OUT + row, tl.sum(sx, axis=0))
