@@ -192,3 +192,37 @@ def resume_run(name: str) -> dict:
 def test_save_state_resumes_exactly(plugin: str) -> None:
     for r in run_distributed(resume_run, 2, plugin, timeout=180):
         assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"]), rtol=0, name="resumed losses")
+
+
+def lazy_hf_run(name: str) -> dict:
+    """A Hugging Face model built lazily by from_pretrained, boosted, filled from its safetensors into the shards;
+    then saved by the Booster and loaded back by transformers with identical logits."""
+    from cai.booster import Booster, LazyInitContext
+
+    path = shared_tmpdir()
+    if dist.get_rank() == 0:
+        tiny_llama().save_pretrained(os.path.join(path, "pretrained"))
+    dist.barrier()
+    with LazyInitContext():
+        model = transformers.LlamaForCausalLM.from_pretrained(os.path.join(path, "pretrained"))
+    assert all(p.device.type == "meta" for p in model.parameters())
+    booster = Booster(plugin=make_plugin(name), device="cpu")
+    model, *_ = booster.boost(model)
+    got = full_params(booster, model)
+    booster.save_model(model, os.path.join(path, "saved"), shard=True, size_per_shard=0.02)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    reference = tiny_llama()
+    with torch.no_grad():
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.join(path, "saved"), attn_implementation="eager"
+        )
+        logits = loaded.float()(ids).logits
+        expected = reference(ids).logits
+    assert_close(got, dict(reference.named_parameters()), rtol=0, name="lazy pretrained params")
+    assert_close(logits, expected, rtol=0, name="logits after save_model + from_pretrained")
+    return {"ok": True}
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_lazy_from_pretrained_loads_into_shards_and_saves_hf(plugin: str) -> None:
+    assert all(r["ok"] for r in run_distributed(lazy_hf_run, 2, plugin, timeout=180))
