@@ -175,3 +175,17 @@ def test_overlap_cpu_step_requirements() -> None:
     opt.backward(model(x).sum())
     with pytest.raises(RuntimeError, match="one synchronising backward per step"):
         opt.backward(model(x).sum())
+
+
+def test_update_master_params_after_loading_weights_into_the_model() -> None:
+    model, ref = _mlp(), _mlp()
+    with torch.no_grad():
+        for q in ref.parameters():
+            q.mul_(-0.5)
+    opt = _zero(model)
+    model.load_state_dict(ref.state_dict())  # copies into the bucket views
+    model[4].bias.data = ref[4].bias.detach().clone()  # replaced storage: re-linked by update_master_params
+    opt.update_master_params()
+    assert _train(model, opt, range(3)) == _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), range(3))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

@@ -172,6 +172,20 @@ class ZeroOptimizer:
         master.copy_(b.working[b.lo : b.hi])
         b.master = master
 
+    def update_master_params(self) -> None:
+        """Refresh the fp32 master shards from the working parameters, e.g. after ``model.load_state_dict``.
+
+        A parameter whose ``.data`` was replaced (rather than copied into) is copied back into its bucket first.
+        """
+        self._wait_gather(self.buckets)
+        for b in self.buckets:
+            for s in b.slots:
+                view = b.working[s.offset : s.offset + s.numel]
+                if s.param.data_ptr() != view.data_ptr():
+                    view.copy_(s.param.detach().reshape(-1))
+                    s.param.data = view.view(s.shape)
+            b.master.copy_(b.working[b.lo : b.hi])
+
     def _install_gather_waits(self, model: nn.Module) -> None:
         owner = {id(s.param): b for b in self.buckets for s in b.slots}
         for module in model.modules():
