@@ -277,3 +277,45 @@ def test_single_file_hf_directory_loads(tmp_path):
     dst = _model(1, tie=False)
     ck.load_model(dst, tmp_path)
     assert _equal_state(m, dst)
+
+
+class _SharedStepState:
+    """A state-protocol optimizer that reports one ``step`` tensor under every parameter (as ZeRO buckets do)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.names = [n for n, _ in model.named_parameters()]
+        self.step = torch.tensor(4.0)
+        self.moments = {n: torch.full(p.shape, float(i)) for i, (n, p) in enumerate(model.named_parameters())}
+
+    def sharded_state_dict(self):
+        from cai.mesh import LocalShard
+
+        out = {}
+        for n in self.names:
+            out[f"{n}.exp_avg"] = LocalShard(self.moments[n], ShardSpec.full(self.moments[n].shape))
+            out[f"{n}.exp_avg_sq"] = LocalShard(self.moments[n], ShardSpec.full(self.moments[n].shape))
+            out[f"{n}.step"] = LocalShard(self.step, ShardSpec.full(()))
+        return out
+
+    def param_groups_state(self):
+        return [
+            {
+                "lr": 0.5,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": 0.0,
+                "amsgrad": False,
+                "params": self.names,
+            }
+        ]
+
+
+def test_shared_state_tensors_load_into_a_plain_optimizer(tmp_path):
+    m = _model(tie=False)
+    ck.save_optimizer(_SharedStepState(m), tmp_path / "o")
+    opt = torch.optim.Adam(m.parameters(), lr=1.0)
+    ck.load_optimizer(opt, tmp_path / "o", model=m)
+    assert opt.param_groups[0]["lr"] == 0.5 and opt.param_groups[0]["betas"] == (0.9, 0.999)
+    for i, p in enumerate(m.parameters()):
+        st = opt.state[p]
+        assert float(st["step"]) == 4.0 and torch.equal(st["exp_avg"], torch.full(p.shape, float(i)))
