@@ -239,3 +239,26 @@ def test_unused_and_frozen_parameters_neither_hang_nor_break_buckets() -> None:
     ref = _reference(3, 4)[-1]
     for r in (0, 1):
         assert_close(got[r], ref, rtol=1e-6, atol=1e-7, name=f"rank {r}")
+
+
+# ---- gradient norm over extra groups ---------------------------------------------------------------------------
+def _norms_with_extra_group() -> tuple[float, float, float, float]:
+    rank = dist.get_rank()
+    model = _model()
+    opt = ZeroOptimizer(_adamw(model), model=model, config=ZeroConfig(stage=2, bucket_size_mb=BUCKET_MB))
+    ids, labels = make_batch(batch_size=4, seq_len=16, vocab_size=64, seed=0)
+    opt.backward(TinyTransformer.loss(model(ids[rank * 2 : rank * 2 + 2]), labels[rank * 2 : rank * 2 + 2]))
+    # A stand-in for a tensor-parallel group whose ranks hold other parameters: here both ranks of the group
+    # hold the same pieces, so their squared norms add up to twice the data-parallel one.
+    extra = dist.new_group([0, 1])
+    plain = opt.grad_norm().item()
+    with_extra = opt.grad_norm(extra_groups=[extra]).item()
+    clipped_from = opt.clip_grad_norm(plain / 4).item()
+    return plain, with_extra, clipped_from, opt.grad_norm().item()
+
+
+def test_grad_norm_sums_over_extra_groups_and_clips() -> None:
+    for plain, with_extra, clipped_from, after in run_distributed(_norms_with_extra_group, 2):
+        assert with_extra == pytest.approx(plain * 2**0.5, rel=1e-6)
+        assert clipped_from == pytest.approx(plain, rel=1e-6)
+        assert after == pytest.approx(plain / 4, rel=1e-5)
