@@ -139,3 +139,39 @@ def test_bad_shapes_name_the_values():
         rms_norm(torch.randn(2, 16), torch.ones(8))
     with pytest.raises(ValueError, match="residual has shape"):
         rms_norm(torch.randn(2, 16), torch.ones(16), residual=torch.randn(3, 16))
+
+
+def _bwd_configs():
+    from cai.kernels import _norm_triton as kt
+
+    # One of each kind and rows-per-iteration at N=24 (block 32): the autotuner may pick any of them on a GPU.
+    seen, out = set(), []
+    for cfg in [*kt._bwd_candidates(24), ("blocked", 2, 4, 8, 2), ("persistent", 2, 4, 2)]:
+        if (cfg[0], cfg[1]) not in seen:
+            seen.add((cfg[0], cfg[1]))
+            out.append(cfg)
+    return out
+
+
+@pytest.mark.parametrize("cfg", _bwd_configs(), ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "layer"])
+def test_every_backward_launch_config(cfg, is_rms, monkeypatch, device):
+    from cai.kernels import _norm_triton as kt
+    from cai.kernels import _tune
+
+    monkeypatch.delenv("CAI_KERNELS_FALLBACK", raising=False)
+    monkeypatch.setenv("CAI_KERNELS_IMPL", "triton")
+    monkeypatch.setattr(kt, "_bwd_candidates", lambda n: [cfg])
+    monkeypatch.setattr(_tune, "_CHOICES", {})
+    g = torch.Generator().manual_seed(1)
+    # 203 rows: a ragged last block for every rows-per-program choice.
+    x, r = (torch.randn(203, 24, generator=g).to(device).requires_grad_() for _ in range(2))
+    w, b = (torch.randn(24, generator=g).to(device).requires_grad_() for _ in range(2))
+    dy, ds = (torch.randn(203, 24, generator=g).to(device) for _ in range(2))
+    y, s = rms_norm(x, w, residual=r) if is_rms else layer_norm(x, w, b, residual=r)
+    ((y * dy).sum() + (s * ds).sum()).backward()
+    ref = {k: t.detach().double().requires_grad_() for k, t in (("x", x), ("r", r), ("w", w), ("b", b))}
+    yd, sd = reference(ref["x"], ref["r"], ref["w"], None if is_rms else ref["b"], 1e-6, is_rms)
+    ((yd * dy.double()).sum() + (sd * ds.double()).sum()).backward()
+    for name, t in (("x", x), ("r", r), ("w", w)) + (() if is_rms else (("b", b),)):
+        assert_rel(t.grad, ref[name].grad, 1e-5, f"d{name}")

@@ -52,12 +52,37 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
+def _bwd_rows(x_raw, dy_raw, w, rstd, mean, mask, DRES, DX, rows64, cols, stride_dres, stride_dx, N,
+              IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr):  # fmt: skip
+    """dx for a [BLOCK_M, BLOCK_N] tile, stored; returns (dy * xhat, dy) in fp32 for the dW / dB sums."""
+    x = x_raw.to(tl.float32)
+    dy = dy_raw.to(tl.float32)
+    if IS_RMS:
+        xhat = x * rstd[:, None]
+    else:
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    wdy = dy * w[None, :]
+    c1 = tl.sum(xhat * wdy, axis=1) / N
+    if IS_RMS:
+        dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        c2 = tl.sum(wdy, axis=1) / N
+        dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+    if HAS_DRES:
+        dres = tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0)
+        dx += dres.to(tl.float32)
+    tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    return dy * xhat, dy
+
+
+@triton.jit
 def _norm_bwd_kernel(
     X, W, DY, DRES, DX, MEAN, RSTD, DW_PART, DB_PART,
     M, N, stride_x, stride_dy, stride_dres, stride_dx, rows_per_program,
     IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """Persistent form: a fixed grid of programs, each over a contiguous run of rows, prefetching by hand."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -67,47 +92,76 @@ def _norm_bwd_kernel(
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     # A while loop rather than range(): the interpreter (TRITON_INTERPRET=1) cannot index a runtime range.
-    # The next rows' x and dy are loaded before this row's arithmetic (manual pipelining, which a while loop
-    # does not get from the compiler), so each program keeps two rows of reads in flight.
+    # The next rows' x, dy and statistics are loaded before this row's arithmetic (manual pipelining, which a
+    # while loop does not get from the compiler), so each program keeps two rows of reads in flight.
     row = row_start
     rows = row + tl.arange(0, BLOCK_M)
-    mask = (rows < row_end)[:, None] & cmask[None, :]
+    rmask = rows < row_end
+    mask = rmask[:, None] & cmask[None, :]
     x_raw = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     dy_raw = tl.load(DY + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    mean = rstd
+    if not IS_RMS:
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
     while row < row_end:
         rows = row + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        mask = rmask[:, None] & cmask[None, :]
+        mask = (rows < row_end)[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
-        nrows64 = rows64 + BLOCK_M
-        nmask = (rows + BLOCK_M < row_end)[:, None] & cmask[None, :]
-        x_next = tl.load(X + nrows64[:, None] * stride_x + cols[None, :], mask=nmask, other=0.0)
-        dy_next = tl.load(DY + nrows64[:, None] * stride_dy + cols[None, :], mask=nmask, other=0.0)
-        x = x_raw.to(tl.float32)
-        dy = dy_raw.to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-        if IS_RMS:
-            xhat = x * rstd[:, None]
-        else:
-            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        wdy = dy * w[None, :]
-        c1 = tl.sum(xhat * wdy, axis=1) / N
-        if IS_RMS:
-            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
-        else:
-            c2 = tl.sum(wdy, axis=1) / N
-            dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-        if HAS_DRES:
-            dres = tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0)
-            dx += dres.to(tl.float32)
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += tl.sum(dy * xhat, axis=0)
+        nrows = rows + BLOCK_M
+        nrmask = nrows < row_end
+        nmask = nrmask[:, None] & cmask[None, :]
+        x_next = tl.load(X + nrows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=nmask, other=0.0)
+        dy_next = tl.load(DY + nrows.to(tl.int64)[:, None] * stride_dy + cols[None, :], mask=nmask, other=0.0)
+        rstd_next = tl.load(RSTD + nrows, mask=nrmask, other=0.0)
+        mean_next = rstd_next
+        if not IS_RMS:
+            mean_next = tl.load(MEAN + nrows, mask=nrmask, other=0.0)
+        dyx, dy = _bwd_rows(x_raw, dy_raw, w, rstd, mean, mask, DRES, DX, rows64, cols, stride_dres, stride_dx,
+                            N, IS_RMS, HAS_DRES)  # fmt: skip
+        dw_acc += tl.sum(dyx, axis=0)
         if HAS_B:
             db_acc += tl.sum(dy, axis=0)
-        x_raw = x_next
-        dy_raw = dy_next
+        x_raw, dy_raw, rstd, mean = x_next, dy_next, rstd_next, mean_next
         row += BLOCK_M
+    tl.store(DW_PART + pid * N + cols, dw_acc, mask=cmask)
+    if HAS_B:
+        tl.store(DB_PART + pid * N + cols, db_acc, mask=cmask)
+
+
+@triton.jit
+def _norm_bwd_blocked_kernel(
+    X, W, DY, DRES, DX, MEAN, RSTD, DW_PART, DB_PART,
+    M, N, stride_x, stride_dy, stride_dres, stride_dx,
+    IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """Blocked form: one program per ROWS rows (a compile-time count), the loop pipelined by the compiler
+    (STAGES reads in flight through shared memory, no registers held for them), so programs stay small and
+    many fit on an SM."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in tl.range(0, ROWS // BLOCK_M, num_stages=STAGES):
+        rows = pid * ROWS + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x_raw = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy_raw = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        mean = rstd
+        if not IS_RMS:
+            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+        # w is re-read from L1/L2 every row rather than held: 16 fewer registers per thread at N=4096.
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        dyx, dy = _bwd_rows(x_raw, dy_raw, w, rstd, mean, mask, DRES, DX, rows64, cols, stride_dres, stride_dx,
+                            N, IS_RMS, HAS_DRES)  # fmt: skip
+        dw_acc += tl.sum(dyx, axis=0)
+        if HAS_B:
+            db_acc += tl.sum(dy, axis=0)
     tl.store(DW_PART + pid * N + cols, dw_acc, mask=cmask)
     if HAS_B:
         tl.store(DB_PART + pid * N + cols, db_acc, mask=cmask)
@@ -129,25 +183,37 @@ def _fwd_candidates(n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _bwd_candidates(n: int) -> list[tuple[int, int, int]]:
-    """(rows per iteration, num_warps, programs per SM); the first is the static choice."""
+def _bwd_candidates(n: int) -> list[tuple]:
+    """("persistent", rows per iteration, num_warps, programs per SM) or ("blocked", rows per iteration,
+    num_warps, programs per SM, pipeline stages); the first is the static choice."""
     block_n = triton.next_power_of_2(n)
     first = max(1, min(16, 4096 // block_n))
-    out = [(first, _warps(first * block_n), 4)]
-    for bm in sorted({1, first}):
-        for w in (4, 8, 16):
-            for per_sm in (2, 4, 8):
-                if (bm, w, per_sm) not in out:
-                    out.append((bm, w, per_sm))
-    return out
+    out = [("persistent", first, _warps(first * block_n), 4)]
+    for w in (8, 16):
+        for per_sm in (1, 2, 4):
+            out.append(("persistent", first, w, per_sm))
+    for w in (4, 8, 16):
+        for per_sm in (2, 8):
+            for stages in (2, 3):
+                out.append(("blocked", first, w, per_sm, stages))
+    return list(dict.fromkeys(out))
+
+
+def _sm_count(x: torch.Tensor) -> int:
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_properties(x.device).multi_processor_count
+    return 1  # the interpreter runs programs one by one: few programs, many rows each
 
 
 def _num_programs(x: torch.Tensor, m: int, block_m: int, per_sm: int) -> int:
-    if x.device.type == "cuda":
-        target = torch.cuda.get_device_properties(x.device).multi_processor_count * per_sm
-    else:
-        target = 4  # the interpreter runs programs one by one: few programs, many rows each
+    target = _sm_count(x) * per_sm if x.device.type == "cuda" else 4
     return max(1, min(target, triton.cdiv(m, block_m)))
+
+
+def _blocked_rows(x: torch.Tensor, m: int, block_m: int, per_sm: int) -> int:
+    # A power of two (few compiled variants) near M / (SMs * per_sm): the dW partials stay ~SMs * per_sm rows.
+    target = _sm_count(x) * per_sm if x.device.type == "cuda" else 4
+    return max(block_m, triton.next_power_of_2(triton.cdiv(m, target)))
 
 
 def norm_fwd(x2d, residual2d, weight, bias, eps, is_rms, out_dtype):
@@ -181,18 +247,25 @@ def norm_bwd(x2d, weight, bias, dy2d, dres2d, mean, rstd, is_rms, dx_dtype):
     parts = {}
 
     def run(cfg):
-        block_m, num_warps, per_sm = cfg
-        grid = _num_programs(x2d, m, block_m, per_sm)
+        kind, block_m, num_warps, per_sm = cfg[:4]
+        if kind == "persistent":
+            grid = _num_programs(x2d, m, block_m, per_sm)
+        else:
+            rows = _blocked_rows(x2d, m, block_m, per_sm)
+            grid = triton.cdiv(m, rows)
         dw_part = torch.empty((grid, n), dtype=torch.float32, device=x2d.device)
         db_part = torch.empty((grid, n), dtype=torch.float32, device=x2d.device) if bias is not None else None
-        _norm_bwd_kernel[(grid,)](
+        args = (
             x2d, weight, dy2d, dres2d if dres2d is not None else dy2d, dx,
             mean if mean is not None else rstd, rstd, dw_part, db_part if db_part is not None else dw_part,
             m, n, x2d.stride(0), dy2d.stride(0), dres2d.stride(0) if dres2d is not None else 0, dx.stride(0),
-            triton.cdiv(m, grid),
-            IS_RMS=is_rms, HAS_DRES=dres2d is not None, HAS_B=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=triton.next_power_of_2(n), num_warps=num_warps,
         )  # fmt: skip
+        flags = dict(IS_RMS=is_rms, HAS_DRES=dres2d is not None, HAS_B=bias is not None, BLOCK_M=block_m,
+                     BLOCK_N=triton.next_power_of_2(n), num_warps=num_warps)  # fmt: skip
+        if kind == "persistent":
+            _norm_bwd_kernel[(grid,)](*args, triton.cdiv(m, grid), **flags)
+        else:
+            _norm_bwd_blocked_kernel[(grid,)](*args, ROWS=rows, STAGES=cfg[4], **flags)
         parts["dw"], parts["db"] = dw_part, db_part
 
     key = ("norm_bwd", is_rms, dres2d is not None, bias is not None, n, x2d.dtype, dy2d.dtype, m >= 4096)

@@ -4,11 +4,13 @@ The first call for a key (kernel, row width, dtype, ...) on a CUDA device launch
 times on the caller's own tensors and keeps the fastest; later calls reuse the choice. Kernels must be
 pure functions of their inputs (re-running one only rewrites its outputs). Off the GPU, under
 TRITON_INTERPRET, or with `CAI_KERNELS_AUTOTUNE=0`, the first candidate (the static heuristic) is used.
+`CAI_KERNELS_TUNE_LOG=1` prints every candidate's time to stderr (how the static choices were made).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -40,7 +42,11 @@ def pick(key: Hashable, candidates: Sequence, run: Callable[[object], None], dev
         end.record()
         end.synchronize()
         ms = start.elapsed_time(end) / 3
+        if os.environ.get("CAI_KERNELS_TUNE_LOG", "0") not in ("", "0"):
+            print(f"tune {key}: {cfg} {ms * 1e3:.1f} us", file=sys.stderr)
         if ms < best_ms:
             best, best_ms = cfg, ms
     _CHOICES[key] = best
+    if os.environ.get("CAI_KERNELS_TUNE_LOG", "0") not in ("", "0"):
+        print(f"tune {key}: picked {best}", file=sys.stderr)
     return best
