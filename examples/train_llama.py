@@ -45,7 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--plugin", choices=PLUGINS, default="ddp", help="parallel strategy (default ddp)")
+    p.add_argument(
+        "--plugin",
+        choices=PLUGINS,
+        default="zero2",
+        help="parallel strategy (default zero2: LowLevelZero stage 2)",
+    )
     p.add_argument(
         "--precision",
         choices=("auto", "fp32", "bf16", "fp16"),
