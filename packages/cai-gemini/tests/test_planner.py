@@ -24,8 +24,10 @@ def test_predicted_model_data_matches_measured() -> None:
         ids, labels = make_batch()
         gopt.backward(gm.module.loss(gm(ids), labels))
         gopt.step()
-        measured = tracker.model_bytes("host", "master") + tracker.model_bytes("host", "optim")
-        assert measured == row.breakdown["host master+grad+adam"], (name, measured, row.breakdown)
+        measured = sum(tracker.model_bytes("host", k) for k in ("master", "optim", "grad32", "io"))
+        assert measured == row.breakdown["host master+adam+transfer"], (name, measured, row.breakdown)
+        on_device = sum(tracker.model_bytes("device", k) for k in ("master", "optim", "grad32"))
+        assert on_device == 0, (name, on_device)
         shards = tracker.model_bytes("host", "param_shard")
         assert shards == row.breakdown.get("host parameter shards", 0), (name, shards, row.breakdown)
 

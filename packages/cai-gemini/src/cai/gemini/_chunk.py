@@ -65,9 +65,22 @@ class TensorInfo:
 
 
 def _alloc(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
-    if device.type == "cpu" and pin:
+    if device.type != "cpu" or not pin:
+        return torch.empty(numel, dtype=dtype, device=device)
+    # Register ordinary host memory instead of torch.empty(pin_memory=True): the caching host allocator rounds
+    # every block up to a power of two, which can double the host memory of large chunks.
+    t = torch.empty(numel, dtype=dtype)
+    if (
+        t.numel()
+        and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) != 0
+    ):
         return torch.empty(numel, dtype=dtype, pin_memory=True)
-    return torch.empty(numel, dtype=dtype, device=device)
+    return t
+
+
+def _free_pinned(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and t.numel() and torch.cuda.is_available() and t.is_pinned():
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
 class Chunk:
@@ -115,12 +128,17 @@ class Chunk:
         self.optim_location = DEVICE
         self.grad32: torch.Tensor | None = None  # fp32 accumulated gradient shard, at ``optim_location``
         self.grad32_valid = False
+        # host-optimizer chunks: one working-precision host buffer (pinned on CUDA) carries the reduced gradient
+        # down and the updated parameters up; the fp32 gradient exists only once a second micro-batch arrives
+        self.io: torch.Tensor | None = None
+        self.io_has_grad = False
+        self._down: torch.cuda.Event | None = None  # gradient copy into ``io`` in flight
+        self._up: torch.cuda.Event | None = None  # parameter copy out of ``io`` in flight
         self.grad_buffer: torch.Tensor | None = None  # full-size gradient buffer during backward
         self.unreduced: torch.Tensor | None = None  # fp32 full-size accumulator under no_sync
         self.grads_ready = 0
         self.pending: dist.Work | None = None  # an asynchronous all-gather in flight
         self.prefetched = False
-        self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
 
     # ---- building -------------------------------------------------------------------------------------------
     def append(self, name: str, param: torch.nn.Parameter) -> None:
@@ -167,10 +185,23 @@ class Chunk:
         if master and self.trainable:
             self.optim_location = HOST if optim_on_host else DEVICE
             dev = torch.device("cpu") if optim_on_host else self.device
-            self.master = _alloc(self.shard_size, torch.float32, dev, self.pin and optim_on_host)
-            self.master.copy_(full[lo:hi])
-            self.grad32 = torch.zeros_like(self.master)
-            self.tracker.add(self.optim_location, "master", 2 * self._bytes(self.master))
+            self.master = full[lo:hi].to(dev, copy=True)
+            self.tracker.add(self.optim_location, "master", self._bytes(self.master))
+            self._place_grad_buffers()
+
+    def _place_grad_buffers(self) -> None:
+        assert self.master is not None
+        if self.optim_location == DEVICE:
+            if self.grad32 is None:
+                self.grad32 = torch.zeros_like(self.master)
+                self.tracker.add(DEVICE, "grad32", self._bytes(self.grad32))
+            if self.io is not None:
+                self.tracker.add(HOST, "io", -self._bytes(self.io))
+                _free_pinned(self.io)
+                self.io = None
+        elif self.io is None:
+            self.io = _alloc(self.shard_size, self.dtype, torch.device("cpu"), self.pin)
+            self.tracker.add(HOST, "io", self._bytes(self.io))
 
     @staticmethod
     def _bytes(t: torch.Tensor) -> int:
@@ -288,42 +319,95 @@ class Chunk:
         self._accumulate(out)
 
     def _accumulate(self, shard_grad: torch.Tensor) -> None:
-        assert self.grad32 is not None
-        if self.optim_location == HOST and shard_grad.device.type != "cpu":
-            # asynchronous device-to-host copy into a pinned staging buffer; folded in at ``flush_staging``
-            staging = torch.empty(shard_grad.numel(), dtype=shard_grad.dtype, pin_memory=self.pin)
-            staging.copy_(shard_grad, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._staging.append((staging, event))
-            self.tracker.moved["d2h"] += self._bytes(staging)
+        if self.optim_location == DEVICE:
+            self._fold(shard_grad.to(self.master.device))  # type: ignore[union-attr]
             return
-        self._fold(shard_grad.to(self.grad32.device))
+        assert self.io is not None
+        if self.io_has_grad or shard_grad.dtype != self.io.dtype:
+            # a second micro-batch (or an fp32 no_sync sum): accumulate in fp32 on the host
+            self._io_to_grad32()
+            self._fold(shard_grad.to("cpu"))
+            return
+        self._wait_up()
+        self.io.copy_(
+            shard_grad, non_blocking=True
+        )  # device-to-host, asynchronous from pinned memory on CUDA
+        self.io_has_grad = True
+        self.tracker.moved["d2h"] += self._bytes(self.io)
+        if shard_grad.device.type == "cuda":
+            self._down = torch.cuda.Event()
+            self._down.record()
+
+    def wait_up(self) -> None:
+        self._wait_up()
+
+    def _wait_up(self) -> None:
+        if self._up is not None:
+            self._up.synchronize()
+            self._up = None
 
     def _fold(self, g: torch.Tensor) -> None:
-        assert self.grad32 is not None
+        if self.grad32 is None:
+            assert self.master is not None
+            self.grad32 = torch.zeros_like(self.master)
+            self.tracker.add(self.optim_location, "grad32", self._bytes(self.grad32))
         if self.grad32_valid:
             self.grad32.add_(g)
         else:
             self.grad32.copy_(g)
             self.grad32_valid = True
 
+    def _io_to_grad32(self) -> None:
+        if self.io_has_grad:
+            self.flush_staging()
+            self.io_has_grad = False
+            self._fold(self.io)  # type: ignore[arg-type]
+
     def flush_staging(self) -> None:
-        for staging, event in self._staging:
-            if event is not None:
-                event.synchronize()
-            self._fold(staging)
-        self._staging.clear()
+        """Wait for the gradient copy to the host, if one is in flight."""
+        if self._down is not None:
+            self._down.synchronize()
+            self._down = None
+
+    @property
+    def has_grad(self) -> bool:
+        return self.grad32_valid or self.io_has_grad
+
+    def step_grad(self, *, fp32: bool = False) -> torch.Tensor | None:
+        """The accumulated gradient shard for the update (the host buffer itself when one micro-batch
+        produced it), or None when no gradient arrived; ``fp32`` forces the fp32 copy."""
+        self.flush_staging()
+        if self.io_has_grad and (fp32 or self.grad32_valid):
+            self._io_to_grad32()
+        if self.io_has_grad:
+            return self.io
+        return self.grad32 if self.grad32_valid else None
 
     def zero_grad(self) -> None:
+        self.flush_staging()
         self.grad32_valid = False
+        self.io_has_grad = False
         self.grads_ready = 0
 
     # ---- after the optimizer step --------------------------------------------------------------------------
-    def write_back(self) -> None:
-        """Copy the updated fp32 master shard into the working shard; re-gather a kept-gathered chunk."""
+    def write_back(self, *, io_written: bool = False) -> None:
+        """Copy the updated fp32 master shard into the working shard; re-gather a kept-gathered chunk.
+
+        ``io_written``: the optimizer already wrote the new working-precision values into ``io``.
+        """
         assert self.master is not None and self.shard is not None
-        self.shard.copy_(self.master, non_blocking=True)
+        if self.io is not None:
+            # cast on the host into the pinned buffer, then one asynchronous host-to-device copy
+            self._wait_up()
+            self.io_has_grad = False
+            if not io_written:
+                self.io.copy_(self.master)
+            self.shard.copy_(self.io, non_blocking=True)
+            if self.shard.device.type == "cuda":
+                self._up = torch.cuda.Event()
+                self._up.record()
+        else:
+            self.shard.copy_(self.master, non_blocking=True)
         if self.keep_gathered and self.world_size > 1:
             assert self.full is not None
             dist.all_gather_into_tensor(self.full, self.shard.clone(), group=self.group)
@@ -345,22 +429,27 @@ class Chunk:
         """Move the master shard, its gradient and the given optimizer states; returns the moved states."""
         if self.optim_location == to or self.master is None:
             return states
-        self.flush_staging()
+        self._io_to_grad32()
+        self._wait_up()
         dev = self.device if to == DEVICE else torch.device("cpu")
+        src = self.optim_location
+        moved_bytes = 0
 
         def mv(t: torch.Tensor) -> torch.Tensor:
-            new = _alloc(t.numel(), t.dtype, dev, self.pin and to == HOST).view(t.shape)
-            new.copy_(t)
-            return new
+            nonlocal moved_bytes
+            moved_bytes += self._bytes(t)
+            return t.to(dev, copy=True)
 
         self.master = mv(self.master)
-        assert self.grad32 is not None
-        self.grad32 = mv(self.grad32)
+        self.tracker.move("master", self._bytes(self.master), to=to)
+        if self.grad32 is not None:
+            self.grad32 = mv(self.grad32)
+            self.tracker.move("grad32", self._bytes(self.grad32), to=to)
         moved = {k: (mv(v) if v.numel() > 1 else v) for k, v in states.items()}
-        nbytes = 2 * self._bytes(self.master)
-        self.tracker.move("master", nbytes, to=to)
         opt_bytes = sum(self._bytes(v) for v in states.values() if v.numel() > 1)
         if opt_bytes:
             self.tracker.move("optim", opt_bytes, to=to)
         self.optim_location = to
+        self._place_grad_buffers()
+        del src, moved_bytes
         return moved

@@ -212,11 +212,11 @@ class GeminiModel(nn.Module):
     def sharded_grads(self) -> dict[str, LocalShard]:
         """This rank's pieces of the accumulated (mean-reduced, fp32) gradients, by parameter name."""
         out: dict[str, LocalShard] = {}
-        for c in self.chunks:
-            c.flush_staging()
+        grads = {c.index: c.step_grad() for c in self.chunks if c.master is not None}
         for pc in iter_pieces(self.chunks):
-            if pc.chunk.grad32 is not None and pc.chunk.grad32_valid:
-                out[pc.info.name] = LocalShard(pc.chunk.grad32[pc.lo : pc.hi].detach().cpu().clone(), pc.spec)
+            g = grads.get(pc.chunk.index)
+            if g is not None:
+                out[pc.info.name] = LocalShard(g[pc.lo : pc.hi].detach().float().cpu().clone(), pc.spec)
         return out
 
     # ---- state ----------------------------------------------------------------------------------------------

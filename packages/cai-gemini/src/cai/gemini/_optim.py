@@ -131,6 +131,19 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 segs[-1] = (pc.chunk, segs[-1][1], pc.hi)
             else:
                 segs.append((pc.chunk, pc.lo, pc.hi))
+        # chunks whose every tensor is stepped: the update can write the new working-precision values straight
+        # into the host transfer buffer (one pass instead of an update and a cast)
+        stepped = {(c.index, lo, hi) for segs in self._segments for c, lo, hi in segs}
+        covered: dict[int, int] = {}
+        for c, lo, hi in (x for segs in self._segments for x in segs):
+            covered[c.index] = covered.get(c.index, 0) + (hi - lo)
+        self._direct = {
+            c.index
+            for c in model.chunks
+            if c.master is not None
+            and covered.get(c.index, 0) == sum(pc.hi - pc.lo for pc in iter_pieces([c]))
+        }
+        del stepped
         self._steps = [0] * len(self.param_groups)
         self._chunk_state: dict[int, dict[str, torch.Tensor]] = {}
         self._warm = False
@@ -170,27 +183,32 @@ class GeminiOptimizer(torch.optim.Optimizer):
         dist.all_reduce(t, op=op, group=group)
         return float(t.item())
 
-    def _grad_norm(self) -> float:
-        chunks = [c for c in self._trainable() if c.grad32_valid]
+    def _grads(self, *, fp32: bool = False) -> list[tuple[Chunk, torch.Tensor]]:
+        out = []
+        for c in self._trainable():
+            g = c.step_grad(fp32=fp32)
+            if g is not None:
+                out.append((c, g))
+        return out
+
+    def _grad_norm(self, grads: list[tuple[Chunk, torch.Tensor]]) -> float:
         if self.norm_type == float("inf"):
-            local = max((float(c.grad32.abs().max()) for c in chunks), default=0.0)  # type: ignore[union-attr]
+            local = max((float(g.abs().max()) for _, g in grads), default=0.0)
             return self._all_reduce(local, dist.ReduceOp.MAX)
-        local = sum(float(c.grad32.double().pow(2).sum()) for c in chunks)  # type: ignore[union-attr]
+        local = sum(float(g.double().pow(2).sum()) for _, g in grads)
         return math.sqrt(self._all_reduce(local, dist.ReduceOp.SUM))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale the accumulated gradients so their global norm is at most ``max_norm``; returns the norm."""
-        for c in self._trainable():
-            c.flush_staging()
+        grads = self._grads()
         prev, self.norm_type = self.norm_type, float(norm_type)
         try:
-            norm = self._grad_norm()
+            norm = self._grad_norm(grads)
         finally:
             self.norm_type = prev
         coef = min(1.0, max_norm / (norm + 1e-6))
-        for c in self._trainable():
-            if c.grad32_valid:
-                c.grad32.mul_(coef)  # type: ignore[union-attr]
+        for _, g in grads:
+            g.mul_(coef)
         return norm
 
     @torch.no_grad()
@@ -199,7 +217,6 @@ class GeminiOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         chunks = self._trainable()
         for c in chunks:
-            c.flush_staging()
             if c.unreduced is not None:
                 raise RuntimeError(
                     "GeminiOptimizer.step: called inside no_sync(); do the last backward outside it"
@@ -207,10 +224,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             inv = 1.0 / self.scaler.scale
             bad = 0.0
-            for c in chunks:
-                if c.grad32_valid:
-                    c.grad32.mul_(inv)  # type: ignore[union-attr]
-                    bad = max(bad, float(not bool(torch.isfinite(c.grad32).all())))  # type: ignore[arg-type]
+            for _, g in self._grads(fp32=True):
+                g.mul_(inv)
+                bad = max(bad, float(not bool(torch.isfinite(g).all())))
             overflow = self._all_reduce(bad, dist.ReduceOp.MAX) > 0
             self.scaler.update(overflow)
             self.model.loss_scale = self.scaler.scale
@@ -220,6 +236,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 return loss
         if self.max_norm > 0:
             self.last_grad_norm = self.clip_grad_norm_(self.max_norm, self.norm_type)
+        grads = {c.index: g for c, g in self._grads()}
         for gi, group in enumerate(self.param_groups):
             if not self._segments[gi]:
                 continue
@@ -228,8 +245,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
             adamw = _adamw_mode(self.optim, group)
             for c, lo, hi in self._segments[gi]:
                 st = self._state(c)
-                assert c.master is not None and c.grad32 is not None
-                grad = c.grad32[lo:hi] if c.grad32_valid else torch.zeros_like(c.grad32[lo:hi])
+                assert c.master is not None
+                g = grads.get(c.index)
+                grad = g[lo:hi] if g is not None else torch.zeros_like(c.master[lo:hi])
+                out = None
+                if c.io is not None and c.index in self._direct:
+                    c.wait_up()
+                    out = c.io[lo:hi]  # the kernel reads each gradient element before writing the parameter
                 adam_update(
                     c.master[lo:hi],
                     grad,
@@ -243,9 +265,10 @@ class GeminiOptimizer(torch.optim.Optimizer):
                     weight_decay=float(group["weight_decay"]),
                     adamw_mode=adamw,
                     bias_correction=bool(group.get("bias_correction", True)),
+                    out=out,
                 )
         for c in chunks:
-            c.write_back()
+            c.write_back(io_written=c.io is not None and c.index in self._direct)
         if not self._warm:
             self._warm = True
             if self.model.placer is not None:

@@ -3,7 +3,8 @@
 [Note: planner model]
 Model data per rank, with P the padded chunk elements, T the trainable part, w the group size and b the working
 precision's bytes: working shard ``b * P / w`` (the whole ``b * P`` when a rank keeps chunks gathered), fp32 master
-and gradient ``8 * T / w`` and Adam moments ``8 * T / w``, each on the device or the host by placement; on the
+and gradient ``8 * T / w`` and Adam moments ``8 * T / w`` on the device, or on the host master and moments plus a
+``b * T / w`` transfer buffer that carries gradients down and parameters up (no fp32 gradient); on the
 device also the gathered chunks in flight (current, prefetched and the one held into backward) and two gradient
 buffers. Non-model data is the activation estimate of a decoder-only transformer (``TransformerShape``): with
 checkpointing, each layer's input plus one layer recomputed in backward; without, every layer's saved tensors;
@@ -188,13 +189,19 @@ def plan(
         w = world_size
         keep_all = w == 1 and not kw.get("offload_param_frac")
         params = wbytes * padded if keep_all else wbytes * padded // w
-        optim = 16 * trained // w  # master + gradient + two moments, fp32
+        # device: fp32 master, gradient and two moments; host: the same without the fp32 gradient (one
+        # micro-batch's gradient stays in the working-precision transfer buffer)
+        optim_dev = 16 * trained // w
+        optim_host = (12 + wbytes) * trained // w
         in_flight = 0 if keep_all else (2 + max_prefetch) * csize * wbytes
         grad_buffers = 2 * csize * wbytes
         dev = {"activations": non_model, "gathered chunks": in_flight, "gradient buffers": grad_buffers}
         host = {"process": _HOST_BASE}
         (host if kw.get("offload_param_frac") else dev)["parameter shards"] = params
-        (host if kw.get("offload_optim_frac") else dev)["master+grad+adam"] = optim
+        if kw.get("offload_optim_frac"):
+            host["master+adam+transfer"] = optim_host
+        else:
+            dev["master+grad+adam"] = optim_dev
         dev_total = sum(dev.values())
         steady_host = sum(host.values())
         build_host = _HOST_BASE + init_dtype_bytes * total + 4 * csize  # the model as built, one fp32 chunk
