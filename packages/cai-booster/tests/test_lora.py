@@ -18,11 +18,14 @@ peft = pytest.importorskip("peft")
 
 def _lora_run(plugin: str) -> dict:
     booster = Booster(
-        plugin=TorchDDPPlugin() if plugin == "ddp" else LowLevelZeroPlugin(stage=2, precision="fp32"), device="cpu"
+        plugin=TorchDDPPlugin() if plugin == "ddp" else LowLevelZeroPlugin(stage=2, precision="fp32"),
+        device="cpu",
     )
     base = TinyTransformer(seed=0)
     frozen_before = {n: p.detach().clone() for n, p in base.named_parameters()}
-    model = booster.enable_lora(base, lora_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "proj"]))
+    model = booster.enable_lora(
+        base, lora_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "proj"])
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     model, opt, *_ = booster.boost(model, opt)
