@@ -225,23 +225,16 @@ def run_row(row: Row, steps: int, warmup: int) -> dict:
 
 def largest_shape(budget_gib: float, host_gib: float, batch: int, seq: int) -> tuple[Shape, str]:
     """The most layers of the Llama-8B width that the planner fits on the budget (optimizer on the host)."""
-    from cai.gemini import ChunkConfig, TransformerShape, plan
+    from cai.gemini import TransformerShape, plan
 
     best: tuple[Shape, str] | None = None
-    for layers in range(16, 41):
+    for layers in range(24, 41):
         shape = Shape(hidden=4096, layers=layers, heads=32, kv_heads=8, ffn=14336, vocab=128256)
         ts = TransformerShape(hidden=4096, layers=layers, ffn=14336, vocab=128256, heads=32, kv_heads=8)
         with torch.device("meta"):
             model = _llama(shape, seq, torch.bfloat16, "meta")
-        p = plan(
-            model,
-            batch,
-            seq,
-            int(budget_gib * GiB),
-            host_budget_bytes=int(host_gib * GiB),
-            shape=ts,
-            chunk=ChunkConfig(chunk_size=64 << 20),
-        )  # fmt: skip  (a fixed size: the search per shape is slow)
+        # the same chunk search as the run itself (ChunkConfig(hidden_dim=4096)), so padding is predicted too
+        p = plan(model, batch, seq, int(budget_gib * GiB), host_budget_bytes=int(host_gib * GiB), shape=ts)
         fit = next((r for r in p.rows if r.fits and r.name != "no offload"), None)
         if fit is None:
             break
