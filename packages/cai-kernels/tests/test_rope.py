@@ -113,3 +113,33 @@ def test_bad_cos_shape_is_rejected():
         apply_rotary_pos_emb(
             torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 3, 10), torch.randn(1, 3, 10)
         )
+
+
+@pytest.mark.parametrize(
+    "cfg", [(1, 8, 4), (2, 4, 4), (4, 2, 2), (16, 1, 4)], ids=lambda c: "t{}h{}w{}".format(*c)
+)
+def test_every_tile_shape(cfg, monkeypatch, device):
+    # The autotuner may pick any tile on a GPU: each must cover ragged token and head blocks, q and k alike.
+    from cai.kernels import _rope, _tune
+
+    monkeypatch.delenv("CAI_KERNELS_FALLBACK", raising=False)
+    monkeypatch.setenv("CAI_KERNELS_IMPL", "triton")
+    monkeypatch.setattr(_rope, "_candidates", lambda hq, hk, head_major: [cfg])
+    monkeypatch.setattr(_tune, "_CHOICES", {})
+    g = torch.Generator().manual_seed(2)
+    b, t, hq, hk, d, rot = 2, 7, 5, 3, 20, 16
+    q = torch.randn(b, t, hq, d, generator=g).transpose(1, 2).to(device).requires_grad_()
+    k = torch.randn(b, hk, t, d, generator=g).to(device).requires_grad_()
+    cos, sin = (c.float().expand(b, t, rot).to(device) for c in hf_cos_sin(torch.arange(t), rot))
+    qo, ko = apply_rotary_pos_emb(q, k, cos, sin)
+    dq, dk = (
+        torch.randn(b, hq, t, d, generator=g).to(device),
+        torch.randn(b, t, hk, d, generator=g).to(device),
+    )
+    (qo * dq).sum().add((ko * dk.transpose(1, 2)).sum()).backward()
+    qd, kd = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    rq, rk = reference(qd, kd, cos.double(), sin.double())
+    (rq * dq.double()).sum().add((rk * dk.transpose(1, 2).double()).sum()).backward()
+    for name, a, e in (("q", qo, rq), ("k", ko, rk), ("dq", q.grad, qd.grad), ("dk", k.grad, kd.grad)):
+        err = (a.double() - e).abs().max().item()
+        assert err <= 1e-5 * e.abs().max().item(), f"{name}: {err}"

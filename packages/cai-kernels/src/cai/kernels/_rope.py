@@ -7,11 +7,28 @@ import torch
 from cai.kernels._dispatch import use_triton
 
 
+def _candidates(hq: int, hk: int, head_major: bool) -> list[tuple[int, int, int]]:
+    """(tokens per program, heads per program, num_warps); the first is the static choice: one token with
+    every head when a token's heads are contiguous, a run of tokens per head otherwise."""
+    import triton
+
+    hmax = triton.next_power_of_2(max(hq, hk))
+    first = (16, 1, 4) if head_major else (1, hmax, 4)
+    out = [first]
+    for bt, bh, w in ((1, hmax, 8), (2, hmax, 8), (4, 8, 4), (8, 4, 4), (16, 2, 4), (16, 1, 4), (32, 1, 4),
+                      (8, 8, 8), (16, 4, 8), (4, 16, 8)):  # fmt: skip
+        cfg = (bt, min(bh, hmax), w)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def _launch(q, k, cos, sin, backward):
     """q: (B, Hq, T, D), k: (B, Hk, T, D) (any strides), cos/sin: (B, T, R) (any strides, R <= D, R even)."""
     import triton
 
     from cai.kernels._rope_triton import rope
+    from cai.kernels._tune import pick
 
     bsz, hq, t, d = q.shape
     hk = k.shape[1]
@@ -19,13 +36,22 @@ def _launch(q, k, cos, sin, backward):
     qo = torch.empty_like(q)
     ko = torch.empty_like(k)
     half, pas = r // 2, d - r
-    rope[(bsz * t,)](
-        q, k, qo, ko, cos, sin, t, hq, hk, half, pas,
-        *q.stride(), *k.stride(), *qo.stride(), *ko.stride(), *cos.stride(),
-        BACKWARD=backward, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(pas) if pas else 0,
-        num_warps=4,
-    )  # fmt: skip
+
+    def run(cfg):
+        block_t, block_h, num_warps = cfg
+        grid = (bsz * triton.cdiv(t, block_t), triton.cdiv(hq, block_h) + triton.cdiv(hk, block_h))
+        rope[grid](
+            q, k, qo, ko, cos, sin, t, hq, hk, half, pas,
+            *q.stride(), *k.stride(), *qo.stride(), *ko.stride(), *cos.stride(),
+            BACKWARD=backward, BLOCK_T=block_t, BLOCK_H=block_h,
+            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(pas) if pas else 0,
+            num_warps=num_warps,
+        )  # fmt: skip
+
+    # Layout: whether consecutive tokens of a head lie closer in memory than a token's heads.
+    head_major = q.stride(2) < q.stride(1)
+    key = ("rope", backward, hq, hk, d, r, q.dtype, head_major, k.stride(2) < k.stride(1), bsz * t >= 4096)
+    run(pick(key, _candidates(hq, hk, head_major), run, q.device))
     return qo, ko
 
 
