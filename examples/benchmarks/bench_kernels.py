@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -94,6 +95,32 @@ def measure(fn: Callable[[], None], inputs: dict) -> tuple[float, float]:
     return ms, peak
 
 
+def split_note(forward: Callable[[dict], object], inputs: dict, grad_key: str | None) -> str:
+    """Forward alone, backward alone (autograd.grad on a retained graph: no accumulation into .grad), and the
+    host time to issue one forward+backward (no synchronisation), to tell slow kernels from launch overhead."""
+    fwd_ms = triton.testing.do_bench(lambda: forward(inputs), warmup=50, rep=200, return_mode="median")
+    out = forward(inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = (inputs["dq"], inputs["dk"]) if isinstance(out, tuple) else (inputs[grad_key],)
+    leaves_ = leaves(inputs)
+
+    def bwd():
+        torch.autograd.grad(outs, leaves_, grads, retain_graph=True, allow_unused=True)
+
+    bwd_ms = triton.testing.do_bench(bwd, warmup=50, rep=200, return_mode="median")
+    del out, outs
+    for t in leaves_:
+        t.grad = None
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):  # ~10 launches each: far from filling the launch queue, so this is host time
+        o = forward(inputs)
+        torch.autograd.backward(o if isinstance(o, tuple) else (o,), grads)
+    host_us = (time.perf_counter() - start) / 20 * 1e6
+    torch.cuda.synchronize()
+    return f"fwd {fwd_ms:.3f} bwd {bwd_ms:.3f} host {host_us:.0f} us"
+
+
 def copy_bandwidth_gbps() -> float:
     src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
@@ -114,6 +141,7 @@ def fwd_bwd(forward: Callable[[dict], torch.Tensor], grad_key: str | None = "dy"
 
         return run
 
+    bind.forward, bind.grad_key = forward, grad_key
     return bind
 
 
@@ -250,13 +278,15 @@ def cases(quick: bool) -> list[Case]:
     ]
 
 
-def run_case(case: Case, copy_gbps: float, quick: bool) -> list[Row]:
+def run_case(case: Case, copy_gbps: float, quick: bool, split: bool = False) -> list[Row]:
     rows = []
     inputs = case.make()
     for impl, bind in case.impls.items():
         row = Row(kernel=case.kernel, shape=case.shape, impl=impl)
         try:
             row.ms, row.peak_extra_mib = measure(bind(inputs), inputs)
+            if split and case.nbytes and impl != "compile" and hasattr(bind, "forward"):
+                row.note = split_note(bind.forward, inputs, bind.grad_key)
             if case.nbytes:
                 row.gbps = case.nbytes / row.ms / 1e6
                 row.pct_copy = 100 * row.gbps / copy_gbps
@@ -306,6 +336,12 @@ def print_targets(rows: list[Row]) -> None:
             print(
                 f"- {kernel}: {r.vs_liger:.2f}x Liger (target >= {want}x): {'PASS' if r.vs_liger >= want else 'MISS'}"
             )
+    for kernel, peer in (("layer_norm", "eager"), ("rope", "liger")):  # not slower than the best peer
+        r = cai(kernel)
+        p = next((p for p in rows if p.kernel == kernel and p.impl == peer and p.ms), None)
+        if r and p:
+            ok = "PASS" if r.ms <= p.ms else "MISS"
+            print(f"- {kernel}: {p.ms / r.ms:.2f}x {peer} (target >= 1.0x): {ok}")
     for r in (r for r in rows if r.kernel == "flce" and r.impl.startswith("cai") and r.ms):
         ok_t = r.vs_liger is not None and 1 / r.vs_liger <= 0.8
         ok_m = r.peak_extra_mib is not None and r.peak_extra_mib <= 1.2 * 1024
@@ -321,6 +357,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument(
         "--no-compile", action="store_true", help="skip the torch.compile rows (saves compile time)"
+    )
+    parser.add_argument(
+        "--split", action="store_true", help="memory-bound rows: also forward, backward and host time alone"
     )
     parser.add_argument("--only", default="", help="comma-separated kernels (rms_norm, swiglu, flce, ...)")
     args = parser.parse_args()
@@ -338,7 +377,7 @@ def main() -> None:
         if args.no_compile:
             case.impls.pop("compile", None)
         print(f"running {case.kernel} {case.shape}", file=sys.stderr, flush=True)
-        rows += run_case(case, copy_gbps, args.quick)
+        rows += run_case(case, copy_gbps, args.quick, args.split)
     print_table(rows, copy_gbps)
     print_targets(rows)
     if os.environ.get("OUT"):
