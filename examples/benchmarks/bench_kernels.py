@@ -108,7 +108,7 @@ def split_note(forward: Callable[[dict], object], inputs: dict, grad_key: str | 
         torch.autograd.grad(outs, leaves_, grads, retain_graph=True, allow_unused=True)
 
     bwd_ms = triton.testing.do_bench(bwd, warmup=50, rep=200, return_mode="median")
-    del out, outs
+    out = outs = None  # free the retained graph
     for t in leaves_:
         t.grad = None
     torch.cuda.synchronize()
