@@ -98,3 +98,35 @@ def test_lazy_model_loads_pretrained_after_boost(plugin: str) -> None:
             assert r["local_numel"] <= r["total"] // 2 + 64  # only this rank's shard was allocated
         else:
             assert r["local_numel"] == r["total"]
+
+
+def _lazy_random(plugin_name: str) -> dict:
+    torch.manual_seed(dist.get_rank())  # different RNGs per rank: replicas must still start equal
+    with LazyInitContext():
+        model = TinyTransformer(seed=None)
+    plugin = {
+        "fsdp": lambda: TorchFSDPPlugin(precision="fp32"),
+        "zero": lambda: LowLevelZeroPlugin(precision="fp32"),
+    }
+    model, opt, *_ = Booster(plugin=plugin[plugin_name](), device="cpu").boost(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    )
+    module = model.unwrap()
+    params = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in module.named_parameters()}
+    finite = all(bool(torch.isfinite(p).all()) for p in params.values())
+    x = torch.randint(0, 64, (2, 8))
+    opt.backward(model(x).float().mean())
+    opt.step()
+    return {
+        "finite": finite,
+        "ln": params["ln_f.weight"].detach().clone(),
+        "qkv": params["blocks.0.qkv.weight"].detach().clone(),
+    }
+
+
+@pytest.mark.parametrize("plugin", ["fsdp", "zero"])
+def test_lazy_model_without_pretrained_is_initialised(plugin: str) -> None:
+    results = run_distributed(_lazy_random, 2, plugin)
+    assert all(r["finite"] for r in results)
+    if plugin == "zero":  # replicated: every rank holds the same initial values
+        assert torch.equal(results[0]["qkv"], results[1]["qkv"])

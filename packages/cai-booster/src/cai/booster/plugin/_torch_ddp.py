@@ -138,8 +138,14 @@ class TorchDDPPlugin(DPPluginBase):
 
 def place_replicated(model: nn.Module, ctx: BoostContext) -> None:
     """Put a whole (replicated) model on ``ctx.device``: materialise it if lazy, then load pretrained weights."""
+    random_init = is_lazy(model) and ctx.pretrained is None
     if is_lazy(model):
         materialize(model, ctx.device, init=ctx.pretrained is None)
     model.to(ctx.device)
+    if random_init and dist.is_initialized() and dist.get_world_size() > 1:
+        # Replicas must start equal even if the ranks' RNGs differ; once, at boost time.
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
     if ctx.pretrained is not None:
         load_pretrained_into(ModuleState(model), ctx.pretrained)
