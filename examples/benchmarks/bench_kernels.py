@@ -229,6 +229,9 @@ def cases(quick: bool) -> list[Case]:
         "eager": fwd_bwd(eager_ce, None),
         "compile": fwd_bwd(torch.compile(eager_ce, dynamic=False), None),
         "cai": fwd_bwd(lambda i: fused_linear_cross_entropy(i["h"], i["w"], i["y"]), None),
+        "cai chunk=512": fwd_bwd(
+            lambda i: fused_linear_cross_entropy(i["h"], i["w"], i["y"], chunk_size=512), None
+        ),
         "cai chunk=1024": fwd_bwd(
             lambda i: fused_linear_cross_entropy(i["h"], i["w"], i["y"], chunk_size=1024), None
         ),
@@ -377,7 +380,10 @@ def main() -> None:
         if args.no_compile:
             case.impls.pop("compile", None)
         print(f"running {case.kernel} {case.shape}", file=sys.stderr, flush=True)
-        rows += run_case(case, copy_gbps, args.quick, args.split)
+        done = run_case(case, copy_gbps, args.quick, args.split)
+        for r in done:  # as they come, so a run cut short still reports what it measured
+            print(f"done {r}", file=sys.stderr, flush=True)
+        rows += done
     print_table(rows, copy_gbps)
     print_targets(rows)
     if os.environ.get("OUT"):
