@@ -180,6 +180,8 @@ def run_row(row: Row, steps: int, warmup: int) -> dict:
                 hidden_dim=row.shape.hidden, min_chunk_size_m=32 if row.shape.hidden > 256 else 0.01
             ),
             max_prefetch=2,
+            overlap_host_step="optim"
+            in row.offload,  # CPU Adam of each chunk runs during the rest of backward
         )
         memory = None
         if device == "cuda":

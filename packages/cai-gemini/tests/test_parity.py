@@ -161,6 +161,15 @@ CASES += [
     Case(name="accum", dp=2, accum=2, steps=5),
     Case(name="accum-no-sync", dp=2, accum=3, no_sync=True, steps=5, gemini={"offload_optim_frac": 1.0}),
     Case(name="clip", dp=2, gemini={"max_norm": 0.5}),
+    Case(name="overlap-host-step", dp=2, gemini={"offload_optim_frac": 0.5, "overlap_host_step": True}),
+    Case(
+        name="overlap-no-sync",
+        dp=2,
+        accum=2,
+        no_sync=True,
+        steps=5,
+        gemini={"offload_optim_frac": 1.0, "overlap_host_step": True},
+    ),
 ]
 # auto under a simulated budget: every chunk cannot sit on the device at once, so shards are evicted
 CASES += [

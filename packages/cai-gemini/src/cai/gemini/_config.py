@@ -109,6 +109,9 @@ class GeminiConfig:
         loss_scale: fp16 dynamic loss scaling.
         pin_memory: pin host buffers (None: when CUDA is available) so host<->device copies are asynchronous.
         cast_inputs: cast floating-point forward inputs to the working precision.
+        overlap_host_step: update each host-resident chunk on a worker thread as soon as its gradient is reduced,
+            overlapping the CPU Adam with the rest of backward. Needs exactly one synchronised backward per
+            optimizer step (accumulate inside ``no_sync()``), no clipping and no fp16.
     """
 
     placement_policy: Literal["static", "auto"] = "static"
@@ -125,6 +128,7 @@ class GeminiConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     pin_memory: bool | None = None
     cast_inputs: bool = True
+    overlap_host_step: bool = False
 
     def __post_init__(self) -> None:
         if self.placement_policy not in _POLICIES:
@@ -155,6 +159,12 @@ class GeminiConfig:
             raise ValueError(f"GeminiConfig: max_prefetch={self.max_prefetch} must be >= 0")
         if self.max_norm < 0:
             raise ValueError(f"GeminiConfig: max_norm={self.max_norm} must be >= 0 (0 disables clipping)")
+        if self.overlap_host_step and (self.max_norm > 0 or self.precision == "fp16"):
+            raise ValueError(
+                f"GeminiConfig: overlap_host_step=True updates chunks before the global norm and the overflow check "
+                f"are known; it needs max_norm=0.0 (got {self.max_norm}) and precision other than fp16 "
+                f"(got {self.precision!r})"
+            )
         if self.norm_type not in (2.0, float("inf")):
             raise ValueError(f"GeminiConfig: norm_type={self.norm_type}; use 2.0 or float('inf')")
 

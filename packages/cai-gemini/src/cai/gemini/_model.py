@@ -90,6 +90,7 @@ class GeminiModel(nn.Module):
             else None
         )
         self.loss_scale = 1.0
+        self.on_reduced: Callable[[Chunk], None] | None = None  # set by an optimizer that steps chunks early
         self._sync = True
         self._backward_active = False
         self._warmup_started = False
@@ -173,11 +174,15 @@ class GeminiModel(nn.Module):
             chunk.reduce(sync=self._sync)
             if not chunk.in_compute:
                 chunk.release()
+            if self._sync and self.on_reduced is not None:
+                self.on_reduced(chunk)
 
     def _end_backward(self) -> None:
         for c in self.chunk_manager.chunks:
             if c.grad_buffer is not None:  # some parameters took no part in this pass
                 c.reduce(sync=self._sync)
+                if self._sync and self.on_reduced is not None:
+                    self.on_reduced(c)
         self.chunk_manager.release_all()
         self._backward_active = False
 

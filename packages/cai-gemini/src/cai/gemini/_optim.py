@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -144,7 +145,15 @@ class GeminiOptimizer(torch.optim.Optimizer):
             and covered.get(c.index, 0) == sum(pc.hi - pc.lo for pc in iter_pieces([c]))
         }
         del stepped
+        self._by_chunk: dict[int, list[tuple[int, int, int]]] = {}
+        for gi, segs in enumerate(self._segments):
+            for c, lo, hi in segs:
+                self._by_chunk.setdefault(c.index, []).append((gi, lo, hi))
         self._steps = [0] * len(self.param_groups)
+        self._pool: ThreadPoolExecutor | None = None
+        self._early: dict[int, Future] = {}
+        if model.config.overlap_host_step:
+            model.on_reduced = self._on_reduced
         self._chunk_state: dict[int, dict[str, torch.Tensor]] = {}
         self._warm = False
         self.last_grad_norm: float | None = None
@@ -160,6 +169,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._early:
+            raise RuntimeError(
+                "GeminiOptimizer.zero_grad: host chunks were already updated from this backward "
+                "(overlap_host_step=True); call step() after every synchronised backward"
+            )
         self.model.zero_grad()
 
     def _trainable(self) -> list[Chunk]:
@@ -236,37 +250,14 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 return loss
         if self.max_norm > 0:
             self.last_grad_norm = self.clip_grad_norm_(self.max_norm, self.norm_type)
-        grads = {c.index: g for c, g in self._grads()}
-        for gi, group in enumerate(self.param_groups):
-            if not self._segments[gi]:
-                continue
-            self._steps[gi] += 1
-            beta1, beta2 = group["betas"]
-            adamw = _adamw_mode(self.optim, group)
-            for c, lo, hi in self._segments[gi]:
-                st = self._state(c)
-                assert c.master is not None
-                g = grads.get(c.index)
-                grad = g[lo:hi] if g is not None else torch.zeros_like(c.master[lo:hi])
-                out = None
-                if c.io is not None and c.index in self._direct:
-                    c.wait_up()
-                    out = c.io[lo:hi]  # the kernel reads each gradient element before writing the parameter
-                adam_update(
-                    c.master[lo:hi],
-                    grad,
-                    st["exp_avg"][lo:hi],
-                    st["exp_avg_sq"][lo:hi],
-                    step=self._steps[gi],
-                    lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    adamw_mode=adamw,
-                    bias_correction=bool(group.get("bias_correction", True)),
-                    out=out,
-                )
+        nxt = self._next_steps()
+        for c in chunks:
+            early = self._early.pop(c.index, None)
+            if early is not None:
+                early.result()  # updated in the background during backward
+            else:
+                self._update_chunk(c, nxt)
+        self._steps = nxt
         for c in chunks:
             c.write_back(io_written=c.io is not None and c.index in self._direct)
         if not self._warm:
@@ -277,6 +268,47 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 self._chunk_state = self.model.placer.after_warmup(self._chunk_state)
             self.model.chunk_manager.end_step()
         return loss
+
+    def _next_steps(self) -> list[int]:
+        return [s + 1 if segs else s for s, segs in zip(self._steps, self._segments)]
+
+    def _update_chunk(self, c: Chunk, steps: list[int]) -> None:
+        """Adam on every segment of one chunk's shard, where the chunk's master weights live."""
+        g = c.step_grad()
+        st = self._state(c)
+        assert c.master is not None
+        direct = c.io is not None and c.index in self._direct
+        if direct:
+            c.wait_up()
+        for gi, lo, hi in self._by_chunk.get(c.index, ()):
+            group = self.param_groups[gi]
+            beta1, beta2 = group["betas"]
+            adam_update(
+                c.master[lo:hi],
+                g[lo:hi] if g is not None else torch.zeros_like(c.master[lo:hi]),
+                st["exp_avg"][lo:hi],
+                st["exp_avg_sq"][lo:hi],
+                step=steps[gi],
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                adamw_mode=_adamw_mode(self.optim, group),
+                bias_correction=bool(group.get("bias_correction", True)),
+                out=c.io[lo:hi] if direct else None,  # type: ignore[index]  # grad read before param written
+            )
+
+    def _on_reduced(self, c: Chunk) -> None:
+        # [Note: overlapped host step] the chunk's gradient is final (one synchronised backward per step, no
+        # clipping, no loss scale): update its host shard on a worker thread while backward goes on; the native
+        # CPU Adam releases the GIL. ``step`` joins the worker and copies the parameters up.
+        if c.io is None or c.master is None or c.index in self._early:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="gemini-host-adam")
+        self._state(c)  # allocate on the main thread
+        self._early[c.index] = self._pool.submit(self._update_chunk, c, self._next_steps())
 
     # ---- state ----------------------------------------------------------------------------------------------
     def _group_index(self) -> dict[str, int]:
