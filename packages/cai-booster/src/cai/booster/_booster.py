@@ -341,11 +341,10 @@ class Booster:
                 "state can be saved by parameter name"
             )
         state = self.plugin.optimizer_state(optimizer, model)
-        if for_load:
-            # The loader checks keys before loading, so the per-parameter state must exist already.
-            self.plugin.prepare_optimizer_load(optimizer)
-            return LoadView(state)
-        return state
+        # Both ways the per-parameter state must exist: the loader checks keys before loading, and a save before
+        # the first step must still write every key.
+        self.plugin.prepare_optimizer_load(optimizer)
+        return LoadView(state) if for_load else state
 
 
 def _scaler(optimizer: OptimizerWrapper | None) -> Any:

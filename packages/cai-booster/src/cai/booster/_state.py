@@ -169,8 +169,8 @@ def _jsonable(v: Any) -> Any:
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's per-parameter state (so a loader knows its keys) with a step that changes nothing.
 
-    Every group's lr is set to 0 and absent gradients to zeros for one ``step``; the step counters this creates are
-    overwritten by the loaded values.
+    Every group's lr is set to 0 and absent gradients to zeros for one ``step``, then step counters are reset, so
+    the state is that of an optimizer which has not stepped (and a save before the first step has every key).
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if all(optimizer.state.get(p) for p in params):
@@ -187,6 +187,12 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         g["lr"] = lr
     for p, grad in zip(params, saved_grads):
         p.grad = grad
+        # Back to "no step taken": zero moments with step 0 update exactly like a fresh optimizer.
+        step = optimizer.state[p].get("step")
+        if torch.is_tensor(step):
+            step.zero_()
+        elif step is not None:
+            optimizer.state[p]["step"] = 0
 
 
 class LoadView:

@@ -1,0 +1,46 @@
+"""Single-process checkpoint round trips through the Booster (the cross-plugin matrix is in integration-tests)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from cai.booster import Booster
+from cai.mesh.testing import TinyTransformer, make_batch
+
+
+def _boosted(seed: int):
+    booster = Booster(device="cpu")
+    model = TinyTransformer(seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, *_ = booster.boost(model, opt)
+    return booster, model, opt
+
+
+def test_save_before_the_first_step_loads_and_steps_identically(tmp_path) -> None:
+    booster, model, opt = _boosted(0)
+    booster.save_model(model, tmp_path / "model")
+    booster.save_optimizer(opt, tmp_path / "optim")
+    assert "model.safetensors.index.json" in os.listdir(tmp_path / "model")
+    other_booster, other, other_opt = _boosted(5)
+    other_booster.load_model(other, tmp_path / "model")
+    other_booster.load_optimizer(other_opt, tmp_path / "optim")
+    ids, labels = make_batch()
+    for m, o in ((model, opt), (other, other_opt)):
+        o.backward(TinyTransformer.loss(m(ids), labels))
+        o.step()
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_lr_scheduler_round_trip(tmp_path) -> None:
+    booster, _, opt = _boosted(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt.unwrap(), step_size=2, gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    booster.save_lr_scheduler(sched, tmp_path / "sched.json")
+    fresh = torch.optim.lr_scheduler.StepLR(_boosted(0)[2].unwrap(), step_size=2, gamma=0.5)
+    booster.load_lr_scheduler(fresh, tmp_path / "sched.json")
+    assert fresh.state_dict() == sched.state_dict()
