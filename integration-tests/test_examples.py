@@ -14,6 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))  # the examples' helper modules (_digits, _perf, _models)
 
 
 def _run(args: list[str], *, timeout: int, env: dict[str, str] | None = None) -> str:
@@ -73,3 +75,94 @@ def test_benchmark_tiny_with_peers_prints_one_table_and_json(tmp_path: Path) -> 
     data = json.loads((tmp_path / "benchmark_tiny_ddp.json").read_text())
     assert [r["status"] for r in data["rows"]] == ["ok", "ok", "ok"]
     assert data["args"]["world_size"] == 1 and data["args"]["num_params"] > 0
+
+
+# ---- the helpers, in process (fast) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("preset", "tokens_per_s", "mfu"),
+    [("1b", 63.9e3, 0.42), ("1b", 78.0e3, 0.515), ("8b", 6.8e3, 0.35)],
+    ids=["1b-eager", "1b-compile", "8b-fsdp2"],
+)
+def test_mfu_of_presets_reproduces_the_peer_figures(preset: str, tokens_per_s: float, mfu: float) -> None:
+    """BENCHMARKS.md quotes tokens/s and MFU together; the presets' shapes and our formula must link them."""
+    import torch
+    from _models import preset_config
+    from _perf import ModelShape, Throughput
+    from transformers import LlamaForCausalLM
+
+    config = preset_config(preset, max_seq=2048)
+    with torch.device("meta"):
+        shape = ModelShape.of(LlamaForCausalLM(config), config)
+    perf = Throughput.measure(shape, tokens=int(tokens_per_s), seconds=1.0, seq_len=2048)
+    assert abs(perf.mfu - mfu) < 0.006, (preset, perf.mfu)
+
+
+def test_colossal_tflops_formulas() -> None:
+    from _perf import ModelShape, Throughput
+
+    shape = ModelShape(num_params=1_000_000, num_layers=2, hidden_size=64, vocab_size=100)
+    tokens, s = 4 * 128, 128
+    megatron = 24 * 4 * tokens * 2 * 64**2 * (1 + s / (6 * 64) + 100 / (16 * 2 * 64))  # with recompute
+    perf = Throughput.measure(shape, tokens=tokens, seconds=2.0, seq_len=s, grad_ckpt=True, peak_flops=1e12)
+    assert perf.tflops_megatron == pytest.approx(megatron / 2.0 / 1e12)
+    assert perf.tflops_simple == pytest.approx(2 * 4 * 1_000_000 * tokens / 2.0 / 1e12)
+    assert perf.tokens_per_s == pytest.approx(tokens / 2.0)
+    assert perf.mfu == pytest.approx(tokens / 2.0 * (6e6 + 12 * 2 * 64 * s) / 1e12)
+
+
+def test_digit_samples_label_only_the_answer_and_collate_pads() -> None:
+    import torch
+    from _digits import BOS, EOS, IGNORE, PAD, SEP, DigitReversal, DigitTask, collate
+
+    task = DigitTask(min_digits=3, max_digits=6)
+    data = DigitReversal(task, num_samples=50, seed=3)
+    assert torch.equal(data[7]["input_ids"], DigitReversal(task, num_samples=50, seed=3)[7]["input_ids"])
+    for i in range(50):
+        ids, labels = data[i]["input_ids"], data[i]["labels"]
+        n = (ids.numel() - 3) // 2
+        assert 3 <= n <= 6 and ids[0] == BOS and ids[n + 1] == SEP and ids[-1] == EOS
+        assert torch.equal(ids[n + 2 : -1], ids[1 : n + 1].flip(0))
+        assert (labels[: n + 2] == IGNORE).all() and torch.equal(labels[n + 2 :], ids[n + 2 :])
+    batch = collate([data[i] for i in range(8)])
+    width = batch["input_ids"].shape[1]
+    assert width == max(data[i]["input_ids"].numel() for i in range(8))
+    for row in range(8):
+        n_tok = data[row]["input_ids"].numel()
+        assert (batch["input_ids"][row, n_tok:] == PAD).all() and (
+            batch["labels"][row, n_tok:] == IGNORE
+        ).all()
+    with pytest.raises(ValueError, match="min_digits=5, max_digits=2"):
+        DigitTask(min_digits=5, max_digits=2)
+
+
+class _Oracle:
+    """Stands in for a model: puts the logit peak on the right next token, or on a wrong digit when ``wrong``."""
+
+    def __init__(self, wrong: bool = False) -> None:
+        self.wrong = wrong
+
+    def __call__(self, input_ids):
+        import torch
+        from _digits import EOS, SEP, VOCAB_SIZE
+
+        B, T = input_ids.shape
+        logits = torch.zeros(B, T, VOCAB_SIZE)
+        for b in range(B):
+            row = input_ids[b].tolist()
+            n = row.index(SEP) - 1
+            k = T - (n + 2)  # answer tokens produced so far
+            target = row[n - k] if k < n else EOS
+            if self.wrong and k == 0:
+                target = (target + 1) % 10
+            logits[b, -1, target] = 1.0
+        return logits
+
+
+def test_exact_match_decodes_greedily() -> None:
+    from _digits import DigitTask, exact_match
+
+    task = DigitTask(min_digits=2, max_digits=5)
+    assert exact_match(_Oracle(), task, num_samples=40, seed=1, device="cpu") == 1.0
+    assert exact_match(_Oracle(wrong=True), task, num_samples=40, seed=1, device="cpu") == 0.0
