@@ -215,7 +215,7 @@ def main() -> None:
         f"tensors on {device}, median of {args.repeats}, files in {root}"
     )
     print(
-        f"{'method':<30}{'save s':>9}{'save GB/s':>11}{'vs DCP':>8}{'load s':>9}{'load GB/s':>11}{'vs DCP':>8}{'blocking s':>12}"
+        f"{'method':<36}{'save s':>9}{'save GB/s':>11}{'vs DCP':>8}{'load s':>9}{'load GB/s':>11}{'vs DCP':>8}{'blocking s':>12}"
     )
     for r in rows:
         r["save_gbps"] = gb / r["save_s"]
@@ -232,7 +232,7 @@ def main() -> None:
                 (x["blocking_s"] / r["blocking_s"] for x in rows if x["method"].endswith("checkpoint async")),
                 None,
             )
-        print(f"{r['method']:<30}{r['save_s']:>9.2f}{r['save_gbps']:>11.2f}{save_ratio:>8.2f}{load}{block}")
+        print(f"{r['method']:<36}{r['save_s']:>9.2f}{r['save_gbps']:>11.2f}{save_ratio:>8.2f}{load}{block}")
     print(
         "(vs DCP: speed ratio against synchronous torch.distributed.checkpoint, >1 is faster; async rows: save s "
         "is until the files are committed, blocking s is how long the caller was held once staging buffers exist; "

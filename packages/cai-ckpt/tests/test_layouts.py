@@ -7,7 +7,7 @@ arithmetic on its pieces, so all of them match a one-process run bit for bit.
 
 from __future__ import annotations
 
-import math
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,4 +237,9 @@ def test_saved_files_hold_full_unpadded_tensors(saved, reference):
     for n, t in at_save.items():
         assert torch.equal(reader.read(n, ShardSpec.full(t.shape)), t)
     files = sorted(p.name for p in (saved["dp4"] / "step-000003" / "model").glob("model-*"))
-    assert len(files) > 4 and all(math.isfinite(1.0) for _ in files)
+    assert len(files) > 4
+    layout = json.loads((saved["dp4"] / "step-000003" / "manifest.json").read_text())["layout"]
+    assert layout["world_size"] == 4 and layout["model/model"]["piece_kinds"] == ["flat"]
+    assert all(n > 0 for n in layout["model/model"]["files_per_rank"])  # every rank wrote files
+    rows = json.loads((saved["rows2"] / "step-000003" / "manifest.json").read_text())["layout"]
+    assert rows["world_size"] == 2 and rows["model/model"]["piece_kinds"] == ["block"]

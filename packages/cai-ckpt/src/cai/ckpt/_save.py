@@ -106,6 +106,21 @@ def write_sharded(
         work.wait()
 
     if rank == 0:
+        # The layout it was saved from, in brief: how tensors were split over ranks (flat ranges, blocks).
+        kinds = set()
+        for m in metas:
+            for info in m["tensors"].values():
+                spec = ShardSpec.from_dict(info["spec"])
+                if not spec.is_full:
+                    kinds.add("flat" if spec.flat_range is not None else "block")
+        pieces = [len(t.sources) for f in files for t in f.tensors]
+        txn.layout[join(subdir, prefix)] = {
+            "tensors": len(pieces),
+            "sharded_tensors": sum(p > 1 for p in pieces),
+            "pieces": sum(pieces),
+            "piece_kinds": sorted(kinds),
+            "files_per_rank": [sum(f.owner == r for f in files) for r in range(world)],
+        }
         index = {
             "metadata": {
                 "total_size": sum(f.nbytes for f in files),
