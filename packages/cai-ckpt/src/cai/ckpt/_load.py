@@ -16,7 +16,10 @@ import torch
 from safetensors import safe_open
 
 from cai.ckpt._format import (
+    FORMAT_NAME,
     MANIFEST_NAME,
+    MODEL_INDEX_NAME,
+    MODEL_SINGLE_NAME,
     CheckpointError,
     dtype_from_name,
     file_crc32,
@@ -38,14 +41,29 @@ def find_manifest(path: Path) -> dict | None:
     """The manifest of the checkpoint directory that holds ``path`` (itself or its parent), if any."""
     for d in (path, path.parent):
         if (d / MANIFEST_NAME).exists():
-            return {"root": d, **read_json(d / MANIFEST_NAME)}
+            manifest = read_json(d / MANIFEST_NAME)
+            if isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME:
+                return {"root": d, **manifest}
     return None
 
 
 class CheckpointReader:
-    """Read tensors by name from ``directory`` (an index plus shard files, or a single safetensors file)."""
+    """Read tensors by name from ``directory`` (an index plus shard files, or a single safetensors file).
 
-    def __init__(self, directory: Path, *, index_name: str, single_name: str | None, verify: bool):
+    Example::
+
+        with CheckpointReader("ckpt/step-000100/model") as r:
+            w = r.read("model.embed_tokens.weight", ShardSpec.block((V, H), dim=0, index=rank, parts=world))
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        index_name: str = MODEL_INDEX_NAME,
+        single_name: str | None = MODEL_SINGLE_NAME,
+        verify: bool = False,
+    ):
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
