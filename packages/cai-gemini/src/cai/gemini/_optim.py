@@ -298,6 +298,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 bias_correction=bool(group.get("bias_correction", True)),
                 out=c.io[lo:hi] if direct else None,  # type: ignore[index]  # grad read before param written
             )
+        if direct:
+            c.io_has_grad = False  # ``io`` now holds the new parameters, not the gradient
 
     def _on_reduced(self, c: Chunk) -> None:
         # [Note: overlapped host step] the chunk's gradient is final (one synchronised backward per step, no
