@@ -243,3 +243,33 @@ def test_saved_files_hold_full_unpadded_tensors(saved, reference):
     assert all(n > 0 for n in layout["model/model"]["files_per_rank"])  # every rank wrote files
     rows = json.loads((saved["rows2"] / "step-000003" / "manifest.json").read_text())["layout"]
     assert rows["world_size"] == 2 and rows["model/model"]["piece_kinds"] == ["block"]
+
+
+def _save_with_failing_rank(layout: Layout, path: str) -> str:
+    import cai.ckpt._save as save_module
+
+    model = TinyTransformer(seed=0)
+    opt = ShardedAdam(model, layout)
+    ck.save_state(path, model=opt.model_view, optimizer=opt, step=1, size_per_shard=0.005)
+    original = save_module._write_file
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise OSError("No space left on device (injected)")
+
+    if dist.get_rank() == 1:
+        save_module._write_file = broken
+    try:
+        ck.save_state(path, model=opt.model_view, optimizer=opt, step=2, size_per_shard=0.005)
+        return "saved"
+    except Exception as e:
+        return str(e)
+    finally:
+        save_module._write_file = original
+
+
+def test_a_rank_that_fails_to_write_stops_every_rank_and_keeps_the_previous_checkpoint(tmp_path):
+    messages = run_distributed(_save_with_failing_rank, 2, LAYOUTS[1], str(tmp_path), timeout=120)
+    assert "No space left on device (injected)" in messages[1]
+    assert "was not saved: rank-00001 failed" in messages[0] and "No space left" in messages[0]
+    assert ck.latest_checkpoint(tmp_path) == tmp_path / "step-000001"
+    assert not (tmp_path / "step-000002").exists()

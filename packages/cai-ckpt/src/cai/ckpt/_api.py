@@ -203,9 +203,10 @@ def save_model(
     """
     wait()
     txn = Transaction(Path(path), group=group, info={"kind": "model"})
-    write_model(
-        txn, "", source, size_per_shard=size_per_shard, dtype=dtype, config=config, use_async=use_async
-    )
+    with txn.guard():
+        write_model(
+            txn, "", source, size_per_shard=size_per_shard, dtype=dtype, config=config, use_async=use_async
+        )
     finish(txn, use_async=use_async)
 
 
@@ -226,14 +227,15 @@ def save_optimizer(
     """
     wait()
     txn = Transaction(Path(path), group=group, info={"kind": "optimizer"})
-    write_optimizer(
-        txn,
-        "",
-        optimizer,
-        model if model is not None else param_names,
-        size_per_shard=size_per_shard,
-        use_async=use_async,
-    )
+    with txn.guard():
+        write_optimizer(
+            txn,
+            "",
+            optimizer,
+            model if model is not None else param_names,
+            size_per_shard=size_per_shard,
+            use_async=use_async,
+        )
     finish(txn, use_async=use_async)
 
 

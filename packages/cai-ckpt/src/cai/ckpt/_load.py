@@ -47,6 +47,25 @@ def find_manifest(path: Path) -> dict | None:
     return None
 
 
+def check_file(manifest: dict | None, path: Path, *, verify: bool) -> None:
+    """``path`` exists and (with a manifest) is listed with this size; with ``verify``, its CRC32 matches."""
+    if not path.exists():
+        raise CheckpointError(f"missing checkpoint file {path}")
+    if manifest is None:
+        return
+    rel = path.relative_to(manifest["root"]).as_posix()
+    entry = manifest["files"].get(rel)
+    if entry is None:
+        raise CheckpointError(f"{path} is not listed in the manifest of {manifest['root']}: a foreign file")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(
+            f"{path} has {size} bytes, its manifest says {entry['bytes']}: the file is truncated or replaced"
+        )
+    if verify and file_crc32(path) != entry["crc32"]:
+        raise CheckpointError(f"{path} fails checksum verification: the file is corrupted")
+
+
 class CheckpointReader:
     """Read tensors by name from ``directory`` (an index plus shard files, or a single safetensors file).
 
@@ -114,23 +133,7 @@ class CheckpointReader:
         return header[name]
 
     def _check_file(self, path: Path) -> None:
-        if not path.exists():
-            raise CheckpointError(f"missing checkpoint file {path}")
-        if self.manifest is None:
-            return
-        rel = path.relative_to(self.manifest["root"]).as_posix()
-        entry = self.manifest["files"].get(rel)
-        if entry is None:
-            raise CheckpointError(
-                f"{path} is not listed in the manifest of {self.manifest['root']}: a foreign file"
-            )
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(
-                f"{path} has {size} bytes, its manifest says {entry['bytes']}: the file is truncated or replaced"
-            )
-        if self.verify and file_crc32(path) != entry["crc32"]:
-            raise CheckpointError(f"{path} fails checksum verification: the file is corrupted")
+        check_file(self.manifest, path, verify=self.verify)
 
     # ---- validation --------------------------------------------------------------------------------------
     def check(

@@ -18,6 +18,7 @@ from cai.ckpt._api import (
     write_optimizer,
 )
 from cai.ckpt._format import LATEST_NAME, MANIFEST_NAME, CheckpointError, read_json
+from cai.ckpt._load import check_file
 from cai.ckpt._txn import Transaction, dist_info, finish, wait
 
 __all__ = ["Stateful", "latest_checkpoint", "load_state", "save_state"]
@@ -117,26 +118,29 @@ def save_state(
     txn = Transaction(
         final, group=group, update_latest=True, info={"kind": "training_state", "step": int(step)}
     )
-    write_model(
-        txn, "model", model, size_per_shard=size_per_shard, dtype=dtype, config=None, use_async=use_async
-    )
-    if optimizer is not None:
-        write_optimizer(
-            txn, "optimizer", optimizer, unwrap(model), size_per_shard=size_per_shard, use_async=use_async
+    with txn.guard():
+        write_model(
+            txn, "model", model, size_per_shard=size_per_shard, dtype=dtype, config=None, use_async=use_async
         )
-    if txn.rank == 0:
-        shared = {
-            "step": int(step),
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
-            "extra": extra or {},
+        if optimizer is not None:
+            write_optimizer(
+                txn, "optimizer", optimizer, unwrap(model), size_per_shard=size_per_shard, use_async=use_async
+            )
+        if txn.rank == 0:
+            shared = {
+                "step": int(step),
+                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+                "extra": extra or {},
+            }
+            write_json_tensors(txn, "training_state/state", shared)
+        per_rank = {
+            "rng": _rng_state(),
+            "dataloader": _stateful(dataloader, "dataloader").state_dict()
+            if dataloader is not None
+            else None,
         }
-        write_json_tensors(txn, "training_state/state", shared)
-    per_rank = {
-        "rng": _rng_state(),
-        "dataloader": _stateful(dataloader, "dataloader").state_dict() if dataloader is not None else None,
-    }
-    write_json_tensors(txn, f"training_state/rank-{txn.rank:05d}", per_rank)
+        write_json_tensors(txn, f"training_state/rank-{txn.rank:05d}", per_rank)
     finish(txn, use_async=use_async)
     return final
 
@@ -192,10 +196,15 @@ def load_state(
         loads.append(
             prepare_optimizer_load(optimizer, root / "optimizer", unwrap(model), strict=strict, verify=verify)
         )
-    shared = read_json_tensors(root / "training_state" / "state")
+    listed = {"root": root, **manifest}
+
+    def check(path: Path) -> None:
+        check_file(listed, path, verify=verify)
+
+    shared = read_json_tensors(root / "training_state" / "state", check)
     rank, _ = dist_info(group)
     saved_world = int(manifest.get("layout", {}).get("world_size", 1))
-    mine = read_json_tensors(root / "training_state" / f"rank-{rank % saved_world:05d}")
+    mine = read_json_tensors(root / "training_state" / f"rank-{rank % saved_world:05d}", check)
     for what, obj in (("lr_scheduler", lr_scheduler), ("grad_scaler", grad_scaler)):
         if obj is not None and shared.get(what) is None:
             raise CheckpointError(f"{root} has no {what} state, but a {what} was passed to load_state")

@@ -13,12 +13,13 @@ background thread of an asynchronous save without racing the training loop's col
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +84,47 @@ class Transaction:
 
     def run(self) -> None:
         """Run the queued writes, publish this rank's marker, and (rank 0) commit."""
-        run_parallel(self.jobs, IO_THREADS)
-        self.jobs.clear()
-        write_json(self.tmp / f"rank-{self.rank:05d}.done.json", {"files": self.files})
-        if self.rank == 0:
-            self._commit()
+        with self.guard():
+            try:
+                run_parallel(self.jobs, IO_THREADS)
+            finally:
+                self.jobs.clear()
+            write_json(self.tmp / f"rank-{self.rank:05d}.done.json", {"files": self.files})
+            if self.rank == 0:
+                self._commit()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """On any error, leave a ``failed`` marker so that the other ranks stop waiting for this one."""
+        try:
+            yield
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                write_json(self.tmp / f"rank-{self.rank:05d}.failed.json", {"error": repr(e)})
+            raise
+
+    def _failure(self) -> str | None:
+        for failed in sorted(self.tmp.glob("rank-*.failed.json")):
+            with contextlib.suppress(Exception):
+                return f"{failed.name.split('.')[0]} failed: {read_json(failed)['error']}"
+            return f"{failed.name.split('.')[0]} failed"
+        return None
+
+    def wait_committed(self) -> None:
+        """Return once rank 0 has renamed the directory into place; raise if any rank failed instead.
+
+        Polls the file system rather than using a barrier, so a failed rank cannot leave the others hanging.
+        """
+        deadline = time.monotonic() + _COMMIT_TIMEOUT_S
+        while self.tmp.exists():
+            failure = self._failure()
+            if failure is not None:
+                raise RuntimeError(
+                    f"checkpoint {self.final} was not saved: {failure}; the previous one is untouched"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"checkpoint {self.final}: not committed after {_COMMIT_TIMEOUT_S} s")
+            time.sleep(0.005)
 
     def _commit(self) -> None:
         files: dict[str, dict[str, int]] = {}
@@ -95,6 +132,11 @@ class Transaction:
         for r in range(self.world):
             marker = self.tmp / f"rank-{r:05d}.done.json"
             while not marker.exists():
+                failure = self._failure()
+                if failure is not None:
+                    raise RuntimeError(
+                        f"checkpoint {self.final} was not saved: {failure}; the previous one is untouched"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"checkpoint {self.final}: rank {r} did not finish writing in {_COMMIT_TIMEOUT_S} s"
@@ -126,10 +168,6 @@ class Transaction:
         # Leftovers of earlier attempts that were killed mid-save, and the replaced directory.
         for stale in self.final.parent.glob(f"{TMP_PREFIX}{self.final.name}-*"):
             shutil.rmtree(stale, ignore_errors=True)
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier(group=self.group)
 
 
 def run_parallel(jobs: list[Callable[[], None]], threads: int) -> None:
@@ -204,14 +242,14 @@ def finish(txn: Transaction, *, use_async: bool) -> None:
             _pending.append(_Pending(txn))
         return
     txn.run()
-    txn.barrier()
+    txn.wait_committed()
 
 
-def wait(*, barrier: bool = True) -> None:
+def wait(*, commit: bool = True) -> None:
     """Block until every asynchronous save of this process is written and committed; re-raise its error.
 
-    Call it on every rank (it ends with a barrier so that the checkpoint is committed everywhere when it
-    returns). Every save calls it first, and it runs at interpreter exit (without the barrier).
+    When it returns on any rank the checkpoint is committed (renamed into place by rank 0). Every save and
+    load calls it first, and it runs at interpreter exit (with ``commit=False``: only this rank's writes).
     """
     with _lock:
         pending = list(_pending)
@@ -221,12 +259,13 @@ def wait(*, barrier: bool = True) -> None:
         p.thread.join()
         if p.error is not None:
             errors.append(p.error)
-    if barrier:
-        for p in pending:
-            if dist.is_available() and dist.is_initialized():
-                p.txn.barrier()
+        elif commit:
+            try:
+                p.txn.wait_committed()
+            except BaseException as e:
+                errors.append(e)
     if errors:
         raise RuntimeError(f"asynchronous checkpoint save failed: {errors[0]!r}") from errors[0]
 
 
-atexit.register(wait, barrier=False)
+atexit.register(wait, commit=False)
