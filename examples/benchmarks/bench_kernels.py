@@ -173,6 +173,30 @@ def eager_ce(inp):
     return F.cross_entropy((inp["h"] @ inp["w"].T).float(), inp["y"])
 
 
+def flce_one_stream(i):
+    from cai.kernels import _fused_ce
+
+    _fused_ce._OVERLAP = False  # grad_h's matmul on the current stream, after grad_W's
+    try:
+        return fused_linear_cross_entropy(i["h"], i["w"], i["y"])
+    finally:
+        _fused_ce._OVERLAP = True
+
+
+def flce_check(inp) -> str:
+    """Loss and gradients against the eager fp32-softmax reference, as errors relative to the largest value."""
+    leaves_ = [inp["h"], inp["w"]]
+    ref = eager_ce(inp)
+    ref_g = torch.autograd.grad(ref, leaves_)
+    out = fused_linear_cross_entropy(inp["h"], inp["w"], inp["y"])
+    out_g = torch.autograd.grad(out, leaves_)
+    errs = [abs(out.item() - ref.item()) / abs(ref.item())]
+    errs += [
+        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(out_g, ref_g)
+    ]
+    return "rel err loss {:.1e} dh {:.1e} dw {:.1e}".format(*errs)
+
+
 def cases(quick: bool) -> list[Case]:
     lf = liger()
     m, n = (256, 512) if quick else (16384, 4096)
@@ -229,6 +253,7 @@ def cases(quick: bool) -> list[Case]:
         "eager": fwd_bwd(eager_ce, None),
         "compile": fwd_bwd(torch.compile(eager_ce, dynamic=False), None),
         "cai": fwd_bwd(lambda i: fused_linear_cross_entropy(i["h"], i["w"], i["y"]), None),
+        "cai one stream": fwd_bwd(flce_one_stream, None),
         "cai chunk=512": fwd_bwd(
             lambda i: fused_linear_cross_entropy(i["h"], i["w"], i["y"], chunk_size=512), None
         ),
@@ -290,11 +315,13 @@ def run_case(case: Case, copy_gbps: float, quick: bool, split: bool = False) -> 
             row.ms, row.peak_extra_mib = measure(bind(inputs), inputs)
             if split and case.nbytes and impl != "compile" and hasattr(bind, "forward"):
                 row.note = split_note(bind.forward, inputs, bind.grad_key)
+            if case.kernel == "flce" and impl == "cai":
+                row.note = flce_check(inputs)
             if case.nbytes:
                 row.gbps = case.nbytes / row.ms / 1e6
                 row.pct_copy = 100 * row.gbps / copy_gbps
             if case.flops:
-                row.note = f"{case.flops / row.ms / 1e9:.0f} TFLOP/s"
+                row.note = f"{case.flops / row.ms / 1e9:.0f} TFLOP/s" + (f"; {row.note}" if row.note else "")
         except Exception as exc:  # one failing peer must not lose the other rows
             row.note = f"error: {type(exc).__name__}: {' '.join(str(exc).split())[:80]}"
             traceback.print_exc(file=sys.stderr)

@@ -144,13 +144,9 @@ def test_bad_shapes_name_the_values():
 def _bwd_configs():
     from cai.kernels import _norm_triton as kt
 
-    # One of each kind and rows-per-iteration at N=24 (block 32): the autotuner may pick any of them on a GPU.
-    seen, out = set(), []
-    for cfg in [*kt._bwd_candidates(24), ("blocked", 2, 4, 8, 2), ("persistent", 2, 4, 2)]:
-        if (cfg[0], cfg[1]) not in seen:
-            seen.add((cfg[0], cfg[1]))
-            out.append(cfg)
-    return out
+    # The static choice at N=24 (16 rows per iteration) and single-row iterations: the autotuner may pick any
+    # rows-per-iteration / programs-per-SM pair on a GPU.
+    return [kt._bwd_candidates(24)[0], (1, 4, 2), (2, 4, 3)]
 
 
 @pytest.mark.parametrize("cfg", _bwd_configs(), ids=lambda c: "-".join(map(str, c)))

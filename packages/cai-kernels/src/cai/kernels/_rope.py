@@ -51,7 +51,7 @@ def _launch(q, k, cos, sin, backward):
     # Layout: whether consecutive tokens of a head lie closer in memory than a token's heads.
     head_major = q.stride(2) < q.stride(1)
     key = ("rope", backward, hq, hk, d, r, q.dtype, head_major, k.stride(2) < k.stride(1), bsz * t >= 4096)
-    run(pick(key, _candidates(hq, hk, head_major), run, q.device))
+    run(pick(key, lambda: _candidates(hq, hk, head_major), run, q.device))
     return qo, ko
 
 

@@ -27,7 +27,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         def run(cfg):
             fwd[(triton.cdiv(n, cfg[0]),)](a, b, c, n, BLOCK=cfg[0], num_warps=cfg[1])
 
-        run(pick(("swiglu_fwd", a.dtype, n >= 2**20), _CANDIDATES, run, a.device))
+        run(pick(("swiglu_fwd", a.dtype, n >= 2**20), lambda: _CANDIDATES, run, a.device))
         ctx.save_for_backward(a, b)
         return c
 
@@ -45,7 +45,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         def run(cfg):
             bwd[(triton.cdiv(n, cfg[0]),)](a, b, dc, da, db, n, BLOCK=cfg[0], num_warps=cfg[1])
 
-        run(pick(("swiglu_bwd", a.dtype, dc.dtype, n >= 2**20), _CANDIDATES, run, a.device))
+        run(pick(("swiglu_bwd", a.dtype, dc.dtype, n >= 2**20), lambda: _CANDIDATES, run, a.device))
         return da, db
 
 

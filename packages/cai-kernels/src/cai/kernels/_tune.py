@@ -18,35 +18,46 @@ import torch
 _CHOICES: dict[Hashable, object] = {}
 
 
-def pick(key: Hashable, candidates: Sequence, run: Callable[[object], None], device: torch.device):
+def pick(
+    key: Hashable,
+    candidates: Callable[[], Sequence],
+    run: Callable[[object], None],
+    device: torch.device,
+):
+    """The launch parameters for `key`: `candidates()` (built only on the first call for a key, since every
+    microsecond of host time shows on small tensors) is timed once through `run(cfg)`; the static choice
+    `candidates()[0]` is used where no timing is done."""
     if key in _CHOICES:
         return _CHOICES[key]
+    cands = candidates()
     if (
-        len(candidates) == 1
+        len(cands) == 1
         or device.type != "cuda"
         or os.environ.get("CAI_KERNELS_AUTOTUNE", "1") == "0"
         or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         or torch.cuda.is_current_stream_capturing()
     ):
-        return candidates[0]
-    best, best_ms = candidates[0], float("inf")
-    for cfg in candidates:
+        return cands[0]
+    log = os.environ.get("CAI_KERNELS_TUNE_LOG", "0") not in ("", "0")
+    best, best_ms = cands[0], float("inf")
+    for cfg in cands:
         try:
             run(cfg)  # compiles and warms up
         except Exception:  # e.g. a config that needs more shared memory than the device has
             continue
+        # Ten back-to-back launches: enough to average out clock ramps and launch jitter (a few ms in all).
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(3):
+        for _ in range(10):
             run(cfg)
         end.record()
         end.synchronize()
-        ms = start.elapsed_time(end) / 3
-        if os.environ.get("CAI_KERNELS_TUNE_LOG", "0") not in ("", "0"):
+        ms = start.elapsed_time(end) / 10
+        if log:
             print(f"tune {key}: {cfg} {ms * 1e3:.1f} us", file=sys.stderr)
         if ms < best_ms:
             best, best_ms = cfg, ms
     _CHOICES[key] = best
-    if os.environ.get("CAI_KERNELS_TUNE_LOG", "0") not in ("", "0"):
+    if log:
         print(f"tune {key}: picked {best}", file=sys.stderr)
     return best
