@@ -176,7 +176,7 @@ class Booster:
 
         if not self.plugin.support_lora():
             raise ValueError(f"Booster.save_lora_as_pretrained: {self.plugin.name} does not support LoRA")
-        save_lora_as_pretrained(model.unwrap(unwrap_peft=False), self.plugin.model_state(model), checkpoint)
+        save_lora_as_pretrained(model.unwrap(unwrap_peft=False), checkpoint)
 
     # ---- checkpoints (all through cai-ckpt) ---------------------------------------------------------------
     def save_model(

@@ -31,7 +31,7 @@ def enable_lora(model: nn.Module, *, pretrained_dir: str | None = None, lora_con
     return peft.get_peft_model(model, lora_config)
 
 
-def save_lora_as_pretrained(model: nn.Module, model_state: Any, checkpoint: str | os.PathLike) -> None:
+def save_lora_as_pretrained(model: nn.Module, checkpoint: str | os.PathLike) -> None:
     """Rank 0 writes the adapter with peft's ``save_pretrained``; the plugins that support LoRA keep whole,
     identical parameters on every rank, so rank 0's adapter is the adapter."""
     _peft()
