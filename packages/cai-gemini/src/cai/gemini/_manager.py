@@ -182,8 +182,10 @@ class ChunkManager:
     def _idle(self, c: Chunk, phase: str) -> bool:
         if c.in_compute or c.prefetched or c.pending is not None:
             return False
-        # in backward a trainable chunk is released once its gradients are reduced (see accept_grad)
-        return not (phase == BWD and c.trainable and c.grads_ready)
+        # in backward a trainable chunk is released once its gradients are reduced (see GeminiModel._grad_hook),
+        # not when another chunk is asked for: under activation checkpointing the recomputed forward of a layer
+        # touches all of its chunks before their backward starts
+        return not (phase == BWD and c.trainable)
 
     def _wait(self, c: Chunk) -> None:
         event = self._events.pop(c.index, None)
