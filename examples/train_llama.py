@@ -146,7 +146,8 @@ class Run:
 
             patch_hf_model(model)
         if args.grad_ckpt:
-            model.gradient_checkpointing_enable()
+            # Non-reentrant: works under DDP, FSDP2 and ZeRO hooks alike.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.shape = ModelShape.of(model, config)
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
