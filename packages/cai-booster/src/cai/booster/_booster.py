@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from cai.booster._lazy import is_lazy, pretrained_path
@@ -290,7 +291,7 @@ class Booster:
         position) as ``checkpoint/step-NNNNNN``; returns that directory."""
         import cai.ckpt
 
-        return cai.ckpt.save_state(
+        final = cai.ckpt.save_state(
             checkpoint,
             model=self.plugin.model_state(model),
             step=step,
@@ -302,6 +303,11 @@ class Booster:
             size_per_shard=size_per_shard,
             use_async=use_async,
         )
+        if not use_async and dist.is_initialized():
+            # cai-ckpt commits the directory before rank 0 moves the "latest" pointer; without this barrier a rank
+            # that loads right away can find the previous (or no) pointer.
+            dist.barrier()
+        return final
 
     def load_state(
         self,
