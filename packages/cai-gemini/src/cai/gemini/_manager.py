@@ -62,6 +62,8 @@ class ChunkManager:
         self.chunks: list[Chunk] = []
         self.info: dict[int, tuple[Chunk, TensorInfo]] = {}
         self._build(named_params)
+        # kept-gathered chunks never release: the per-access scan only looks at the others
+        self._releasable = [c for c in self.chunks if not c.keep_gathered]
         self.order: dict[str, list[int]] = {FWD: [], BWD: []}
         self.recording = True
         self.cursor: dict[str, int] = {FWD: 0, BWD: 0}
@@ -159,7 +161,7 @@ class ChunkManager:
     def access(self, chunks: list[Chunk], phase: str, placer: AutoPlacer | None) -> None:
         """Make ``chunks`` usable now (gathered and waited for), release idle ones, prefetch the next ones."""
         wanted = {c.index for c in chunks}
-        for c in self.chunks:
+        for c in self._releasable:
             if c.gathered and c.index not in wanted and self._idle(c, phase):
                 c.release()
         if self.recording:

@@ -176,6 +176,14 @@ class GeminiOptimizer(torch.optim.Optimizer):
             )
         self.model.zero_grad()
 
+    def no_sync(self):
+        """The model's ``no_sync()`` (accumulate without collectives until the last micro-batch)."""
+        return self.model.no_sync()
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Colossal-AI's name for ``clip_grad_norm_``."""
+        return self.clip_grad_norm_(max_norm, norm_type)
+
     def _trainable(self) -> list[Chunk]:
         return [c for c in self.model.chunks if c.master is not None]
 
