@@ -143,3 +143,25 @@ def test_every_tile_shape(cfg, monkeypatch, device):
     for name, a, e in (("q", qo, rq), ("k", ko, rk), ("dq", q.grad, qd.grad), ("dk", k.grad, kd.grad)):
         err = (a.double() - e).abs().max().item()
         assert err <= 1e-5 * e.abs().max().item(), f"{name}: {err}"
+
+
+def test_gradients_keep_the_inputs_layout(monkeypatch, device):
+    # q viewed (B, H, T, D) from a (B, T, H, D) projection, upstream gradient (B, H, T, D)-contiguous (what HF
+    # attention returns): the kernel's gradient of q must come back in q's own layout, so the view's backward
+    # is free. (The torch fallback's gradient layout is autograd's choice.)
+    monkeypatch.delenv("CAI_KERNELS_FALLBACK", raising=False)
+    monkeypatch.setenv("CAI_KERNELS_IMPL", "triton")
+    b, t, h, d = 2, 5, 4, 16
+    base = torch.randn(b, t, h, d, device=device, requires_grad=True)
+    q = base.transpose(1, 2)
+    k = torch.randn(b, t, 2, d, device=device).transpose(1, 2).requires_grad_()
+    cos, sin = (c.float().expand(b, t, d).to(device) for c in hf_cos_sin(torch.arange(t), d))
+    seen = []
+    q.register_hook(lambda g: seen.append(g.stride()))
+    qo, ko = apply_rotary_pos_emb(q, k, cos, sin)
+    assert qo.stride() == q.stride()
+    torch.autograd.backward(
+        (qo, ko), (torch.randn(b, h, t, d, device=device), torch.randn(b, 2, t, d, device=device))
+    )
+    assert seen == [q.stride()]
+    assert base.grad is not None and base.grad.is_contiguous()

@@ -23,8 +23,9 @@ def _candidates(hq: int, hk: int, head_major: bool) -> list[tuple[int, int, int]
     return out
 
 
-def _launch(q, k, cos, sin, backward):
-    """q: (B, Hq, T, D), k: (B, Hk, T, D) (any strides), cos/sin: (B, T, R) (any strides, R <= D, R even)."""
+def _launch(q, k, cos, sin, backward, out_strides=None):
+    """q: (B, Hq, T, D), k: (B, Hk, T, D) (any strides), cos/sin: (B, T, R) (any strides, R <= D, R even).
+    Outputs take q's and k's layout, or `out_strides` = (q strides, k strides) when given."""
     import triton
 
     from cai.kernels._rope_triton import rope
@@ -33,8 +34,11 @@ def _launch(q, k, cos, sin, backward):
     bsz, hq, t, d = q.shape
     hk = k.shape[1]
     r = cos.shape[-1]
-    qo = torch.empty_like(q)
-    ko = torch.empty_like(k)
+    if out_strides is None:
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+    else:
+        qo = torch.empty_strided(q.shape, out_strides[0], dtype=q.dtype, device=q.device)
+        ko = torch.empty_strided(k.shape, out_strides[1], dtype=k.dtype, device=k.device)
     half, pas = r // 2, d - r
 
     def run(cfg):
@@ -50,7 +54,8 @@ def _launch(q, k, cos, sin, backward):
 
     # Layout: whether consecutive tokens of a head lie closer in memory than a token's heads.
     head_major = q.stride(2) < q.stride(1)
-    key = ("rope", backward, hq, hk, d, r, q.dtype, head_major, k.stride(2) < k.stride(1), bsz * t >= 4096)
+    key = ("rope", backward, hq, hk, d, r, q.dtype, head_major, k.stride(2) < k.stride(1),
+           qo.stride(2) < qo.stride(1), bsz * t >= 4096)  # fmt: skip
     run(pick(key, lambda: _candidates(hq, hk, head_major), run, q.device))
     return qo, ko
 
@@ -59,12 +64,18 @@ class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _launch(q, k, cos, sin, backward=False)
+        qo, ko = _launch(q, k, cos, sin, backward=False)
+        ctx.in_strides = (qo.stride(), ko.stride())  # q's and k's layout (empty_like keeps a dense layout)
+        return qo, ko
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        dq, dk = _launch(dq, dk, cos, sin, backward=True)
+        # Gradients are written in q's and k's own layout, whatever the incoming gradients' layout: HF attention
+        # hands back (B, H, T, D)-contiguous gradients for q viewed from a (B, T, H, D) projection, and a
+        # gradient in that other layout would cost a full copy downstream (the view's backward, or the
+        # accumulation into a leaf's .grad).
+        dq, dk = _launch(dq, dk, cos, sin, backward=True, out_strides=ctx.in_strides)
         return dq, dk, None, None
 
 
