@@ -20,16 +20,16 @@ _CHOICES: dict[Hashable, object] = {}
 
 def pick(
     key: Hashable,
-    candidates: Callable[[], Sequence],
+    candidates: Callable[[], Sequence] | Sequence,
     run: Callable[[object], None],
     device: torch.device,
 ):
-    """The launch parameters for `key`: `candidates()` (built only on the first call for a key, since every
-    microsecond of host time shows on small tensors) is timed once through `run(cfg)`; the static choice
-    `candidates()[0]` is used where no timing is done."""
+    """The launch parameters for `key`: the candidates (a sequence, or a function building it, called only on
+    the first call for a key, since every microsecond of host time shows on small tensors) are timed once
+    through `run(cfg)`; the first (the static choice) is used where no timing is done."""
     if key in _CHOICES:
         return _CHOICES[key]
-    cands = candidates()
+    cands = candidates() if callable(candidates) else candidates
     if (
         len(cands) == 1
         or device.type != "cuda"
