@@ -10,6 +10,11 @@ liger_kernel` works; otherwise the ratios use Liger's figures recorded on the sa
     python examples/benchmarks/bench_kernels.py            # full shapes, < 4 minutes on an H200
     python examples/benchmarks/bench_kernels.py --quick    # tiny shapes, a smoke test
     python examples/benchmarks/bench_kernels.py --only rms_norm,flce --no-compile
+    python examples/benchmarks/bench_kernels.py --only rms_norm,layer_norm,rope,flce --split --graphs
+
+`--split` notes forward alone, backward alone and the host time of one forward+backward; `--graphs` adds
+eager, cai and Liger replayed from a CUDA graph (GPU time without host overhead, which bounds the plain
+figures of these sub-millisecond kernels). `CAI_KERNELS_TUNE_LOG=1` prints the autotuner's timings.
 """
 
 from __future__ import annotations
