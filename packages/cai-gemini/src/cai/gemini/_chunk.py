@@ -418,9 +418,15 @@ class Chunk:
         if self.keep_gathered or self.shard_location == to:
             return
         assert self.shard is not None
-        dev = self.device if to == DEVICE else torch.device("cpu")
-        new = _alloc(self.shard_size, self.dtype, dev, self.pin and to == HOST)
-        new.copy_(self.shard, non_blocking=True)
+        if to == DEVICE:
+            # the host buffer (pinned once) stays as the landing place of later evictions: no pinning per move
+            self._host_shard = self.shard
+            new = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
+        else:
+            new = getattr(self, "_host_shard", None)
+            if new is None:
+                new = _alloc(self.shard_size, self.dtype, torch.device("cpu"), self.pin)
+        new.copy_(self.shard, non_blocking=True)  # stream-ordered before any later use of either buffer
         self.tracker.move("param_shard", self._bytes(new), to=to)
         self.shard = new
         self.shard_location = to

@@ -239,6 +239,8 @@ class GeminiModel(nn.Module):
         """This rank's pieces of every parameter (fp32 master values when trainable) and the persistent buffers,
         keyed by the unwrapped module's names (tied parameters once)."""
         out: dict[str, LocalShard] = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # host copies of shards may still be landing
         for pc in iter_pieces(self.chunks):
             out[pc.info.name] = LocalShard(source_shard(pc.chunk)[pc.lo : pc.hi].detach(), pc.spec)
         for name, buf in self._buffers_by_name():
