@@ -163,7 +163,7 @@ def boosted_run(case: Case) -> dict:
         atol=1e-7,
         name="loss",
     )
-    assert_close(params, ref_params, rtol=1e-5, atol=1e-6, name="params")
+    assert_close(params, ref_params, rtol=1e-6, atol=1e-7, name="params")
     return {"loss": losses[-1]}
 
 
