@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,14 +51,21 @@ def write_sharded(
     Every rank calls this with its own pieces. Shard files are balanced over ranks by bytes; the rank that
     owns a file receives the pieces it lacks (``dist.isend``/``dist.recv``, in one global order so that no
     rank waits on a rank that waits on it) and assembles one tensor at a time, so a rank holds at most one
-    tensor beyond its own state (plus, for an asynchronous save, the files it writes in host buffers).
+    tensor per I/O thread beyond its own state (plus, for an asynchronous save, the files it writes, in host
+    buffers). Pieces are sent from the state itself (no copy for contiguous host tensors under gloo or device
+    tensors under NCCL).
     """
     group, rank, world = txn.group, txn.rank, txn.world
     meta = local_metadata(state)
+    meta["failed"] = txn.failed
     metas = [meta]
     if world > 1:
         metas = [None] * world
         dist.all_gather_object(metas, meta, group=group)
+    for r, m in enumerate(metas):
+        if m["failed"]:
+            # A rank failed in an earlier part of this checkpoint: every rank stops here, together.
+            raise RuntimeError(txn.failure_message(r, m["failed"]))
     files, aliases = make_plan(metas, prefix=prefix, size_per_shard_mb=size_per_shard, out_dtype=out_dtype)
     comm_device = torch.device("cpu")
     if world > 1 and dist.get_backend(group) == "nccl":
@@ -76,34 +83,54 @@ def write_sharded(
                     sends.append((dist.isend(piece, dst=global_rank(group, f.owner), group=group), piece))
 
     mine = [f for f in files if f.owner == rank]
-    local_only = all(
-        src == rank or not spec.numel for f in mine for t in f.tensors for src, spec in t.sources
-    )
-    jobs = []
-    for f in mine:
-        if use_async:
-            # One copy into reused (pinned) host buffers, straight from the source tensor where it is whole.
-            snapshot = [
-                (
-                    t.name,
-                    _host_copy(
-                        (subdir, t.name),
-                        _assemble(t, state, metas, rank, group, comm_device, raw=True),
-                        t.dtype,
-                    ),
-                )
-                for t in f.tensors
-            ]
-            txn.jobs.append(lambda f=f, snapshot=snapshot: _write_file(txn, subdir, f, snapshot))
-        else:
-            tensors = ((t.name, _assemble(t, state, metas, rank, group, comm_device)) for t in f.tensors)
-            jobs.append(lambda f=f, tensors=tensors: _write_file(txn, subdir, f, tensors))
-    # Receives must follow the plan's order, so only files that need no pieces from other ranks go in parallel.
-    run_parallel(jobs, IO_THREADS if local_only else 1)
-    if use_async and torch.cuda.is_available():
-        torch.cuda.synchronize()  # the non_blocking device-to-host copies must land before the writer reads them
-    for work, _ in sends:
-        work.wait()
+    received: set[str] = set()
+
+    def assembled(f: FilePlan) -> Iterator[tuple[str, torch.Tensor]]:
+        for t in f.tensors:
+            full = _assemble(t, state, metas, rank, group, comm_device)
+            received.add(t.name)
+            yield t.name, full
+
+    try:
+        local_only = all(
+            src == rank or not spec.numel for f in mine for t in f.tensors for src, spec in t.sources
+        )
+        jobs = []
+        for f in mine:
+            if use_async:
+                # One copy into reused (pinned) host buffers, straight from the source tensor where it is whole.
+                snapshot = [
+                    (
+                        t.name,
+                        _host_copy(
+                            (subdir, t.name),
+                            _assemble(t, state, metas, rank, group, comm_device, raw=True),
+                            t.dtype,
+                        ),
+                    )
+                    for t in f.tensors
+                ]
+                txn.jobs.append(lambda f=f, snapshot=snapshot: _write_file(txn, subdir, f, snapshot))
+            else:
+                jobs.append(lambda f=f: _write_file(txn, subdir, f, assembled(f)))
+        # Receives must follow the plan's order, so only files that need no pieces from other ranks go in parallel.
+        try:
+            run_parallel(jobs, IO_THREADS if local_only else 1)
+        except Exception as e:
+            # Not raised yet: this rank still takes the pieces others send it (their sends complete only then),
+            # and joins the next metadata exchange (or the commit) to tell them.
+            txn.failed = repr(e)
+            for f in mine:
+                for t in f.tensors:
+                    if t.name not in received:
+                        _assemble(t, state, metas, rank, group, comm_device)
+        if use_async and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non_blocking device-to-host copies must land before the writer reads them
+    finally:
+        # Whatever happened here, the owners get their pieces: they finish and report the failure through the
+        # next metadata exchange or the commit, instead of dying on a broken connection.
+        for work, _ in sends:
+            work.wait()
 
     if rank == 0:
         # The layout it was saved from, in brief: how tensors were split over ranks (flat ranges, blocks).

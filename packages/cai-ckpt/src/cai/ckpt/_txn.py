@@ -65,6 +65,7 @@ class Transaction:
         self.layout: dict[str, Any] = {"world_size": self.world}
         self.files: dict[str, dict[str, int]] = {}
         self.jobs: list[Callable[[], None]] = []
+        self.failed: str | None = None  # this rank's error, reported to the others before raising
         token = [secrets.token_hex(4) if self.rank == 0 else None]
         if self.rank == 0:
             self.final.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +86,8 @@ class Transaction:
     def run(self) -> None:
         """Run the queued writes, publish this rank's marker, and (rank 0) commit."""
         with self.guard():
+            if self.failed:
+                raise RuntimeError(self.failure_message(self.rank, self.failed))
             try:
                 run_parallel(self.jobs, IO_THREADS)
             finally:
@@ -103,11 +106,18 @@ class Transaction:
                 write_json(self.tmp / f"rank-{self.rank:05d}.failed.json", {"error": repr(e)})
             raise
 
+    def failure_message(self, rank: int, error: str) -> str:
+        return f"checkpoint {self.final} was not saved: rank-{rank:05d} failed: {error}; the previous one is untouched"
+
     def _failure(self) -> str | None:
         for failed in sorted(self.tmp.glob("rank-*.failed.json")):
+            rank = int(failed.name.split(".")[0].removeprefix("rank-"))
+            error = "unknown error"
             with contextlib.suppress(Exception):
-                return f"{failed.name.split('.')[0]} failed: {read_json(failed)['error']}"
-            return f"{failed.name.split('.')[0]} failed"
+                error = read_json(failed)["error"]
+            if error.startswith("RuntimeError('checkpoint "):  # a rank that only relays another's failure
+                continue
+            return self.failure_message(rank, error)
         return None
 
     def wait_committed(self) -> None:
@@ -119,9 +129,7 @@ class Transaction:
         while self.tmp.exists():
             failure = self._failure()
             if failure is not None:
-                raise RuntimeError(
-                    f"checkpoint {self.final} was not saved: {failure}; the previous one is untouched"
-                )
+                raise RuntimeError(failure)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint {self.final}: not committed after {_COMMIT_TIMEOUT_S} s")
             time.sleep(0.005)
@@ -134,9 +142,7 @@ class Transaction:
             while not marker.exists():
                 failure = self._failure()
                 if failure is not None:
-                    raise RuntimeError(
-                        f"checkpoint {self.final} was not saved: {failure}; the previous one is untouched"
-                    )
+                    raise RuntimeError(failure)
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"checkpoint {self.final}: rank {r} did not finish writing in {_COMMIT_TIMEOUT_S} s"
