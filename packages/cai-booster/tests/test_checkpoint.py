@@ -44,3 +44,18 @@ def test_lr_scheduler_round_trip(tmp_path) -> None:
     fresh = torch.optim.lr_scheduler.StepLR(_boosted(0)[2].unwrap(), step_size=2, gamma=0.5)
     booster.load_lr_scheduler(fresh, tmp_path / "sched.json")
     assert fresh.state_dict() == sched.state_dict()
+
+
+def test_async_save_then_load(tmp_path) -> None:
+    booster, model, opt = _boosted(0)
+    ids, labels = make_batch()
+    opt.backward(TinyTransformer.loss(model(ids), labels))
+    opt.step()
+    booster.save_model(model, tmp_path / "model", use_async=True)
+    booster.save_optimizer(opt, tmp_path / "optim", use_async=True)
+    other_booster, other, other_opt = _boosted(5)
+    other_booster.load_model(other, tmp_path / "model")  # waits for the pending writes first
+    other_booster.load_optimizer(other_opt, tmp_path / "optim")
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+    assert opt.state_dict()["state"][0]["step"] == other_opt.state_dict()["state"][0]["step"]
