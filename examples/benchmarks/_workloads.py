@@ -52,16 +52,21 @@ def _autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=_DTYPES[precision], enabled=precision != "fp32")
 
 
-def eager(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, compile: bool = False) -> Workload:
-    """Plain PyTorch: fp32 master weights, ``torch.autocast`` compute in ``precision``, fused AdamW."""
+def eager(
+    config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, compile: bool = False, pure: bool = False
+) -> Workload:
+    """Plain PyTorch with fused AdamW: fp32 master weights and ``torch.autocast`` compute in ``precision``, or with
+    ``pure`` the parameters themselves in ``precision`` (no master copy: less memory, less exact)."""
     device = batch.device
     model = build_model(config, device, grad_ckpt=grad_ckpt)
+    if pure:
+        model.to(_DTYPES[precision])
     optimizer = _adamw(model.parameters(), device)
     forward = torch.compile(model) if compile else model
     state = {"model": model, "forward": forward, "optimizer": optimizer}
 
     def step() -> None:
-        with _autocast(device, precision):
+        with _autocast(device, "fp32" if pure else precision):
             loss = state["forward"](input_ids=batch, labels=batch).loss
         loss.backward()
         state["optimizer"].step()
@@ -74,7 +79,12 @@ def eager(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, compi
         release()
 
     label = "torch.compile" if compile else "PyTorch eager"
-    mode = "fp32" if precision == "fp32" else f"{precision} autocast, fp32 master"
+    if precision == "fp32":
+        mode = "fp32"
+    elif pure:
+        mode = f"{precision} parameters"
+    else:
+        mode = f"{precision} autocast, fp32 master"
     return Workload(name=f"{label} ({mode}, AdamW)", step=step, close=close)
 
 

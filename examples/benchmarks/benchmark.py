@@ -36,7 +36,7 @@ from _models import PRESETS, preset_config
 from _perf import PEAK_FLOPS, ModelShape, Throughput, peak_memory_gib
 from _plugins import PLUGINS, PluginChoice
 
-PEERS = ("eager", "compile", "fsdp2")
+PEERS = ("eager", "compile", "fsdp2", "eager-pure")  # eager-pure: parameters in bf16, no fp32 master (opt-in)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload-param-frac", "--offload_param_frac", type=float, default=0.0, help="Gemini")
     p.add_argument("--compare", action="store_true", help="also time the peers (world size 1 only)")
     p.add_argument(
-        "--peers", default=",".join(PEERS), help=f"which peers --compare runs (from {','.join(PEERS)})"
+        "--peers", default="eager,compile,fsdp2", help=f"which peers --compare runs (from {','.join(PEERS)})"
     )
     p.add_argument("--no-cai", action="store_true", help="time the peers only")
     p.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS / 1e12, help="MFU denominator per GPU")
@@ -105,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @dataclass(kw_only=True)
 class Row:
     name: str
+    key: str = ""  # the peer's --peers name, or the cai plugin's label
     status: str = "ok"  # "ok", "OOM", or the error
     tokens_per_s: float = 0.0  # per GPU
     mfu: float = 0.0
@@ -144,7 +145,7 @@ def measure(build, *, args, shape: ModelShape, device: torch.device, label: str)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    row = Row(name=label)
+    row = Row(name=label, key=label)
     workload = None
     try:
         workload = build()
@@ -179,7 +180,7 @@ def measure(build, *, args, shape: ModelShape, device: torch.device, label: str)
 
 def table(rows: list[Row], peers: list[Row]) -> str:
     head = ["configuration", "tok/s/GPU", "MFU", "TFLOPS Megatron", "TFLOPS 2(3+c)N", "peak GiB"]
-    head += [f"vs {p.name.split(' (')[0]}" for p in peers]
+    head += [f"vs {p.key}" for p in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.status != "ok":
@@ -230,6 +231,7 @@ def main(args: argparse.Namespace) -> None:
             "eager": lambda: _workloads.eager(config, batch, **kw),
             "compile": lambda: _workloads.eager(config, batch, compile=True, **kw),
             "fsdp2": lambda: _workloads.fsdp2(config, batch, cpu_offload=offload, **kw),
+            "eager-pure": lambda: _workloads.eager(config, batch, pure=True, **kw),
         }
         for peer in args.peers:
             peer_rows.append(measure(builders[peer], args=args, shape=shape, device=device, label=peer))
