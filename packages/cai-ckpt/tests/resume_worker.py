@@ -11,7 +11,6 @@ import random
 import sys
 
 import torch
-from safetensors.torch import save_file
 
 import cai.ckpt as ck
 
@@ -82,7 +81,21 @@ def train(parts, steps: int) -> list[float]:
 def dump(parts, losses: list[float], out: str) -> None:
     tensors = {n: p.detach().contiguous() for n, p in parts[0].named_parameters()}
     tensors["__losses__"] = torch.tensor(losses, dtype=torch.float64)
-    save_file(tensors, out)
+    _save_file(tensors, out)
+
+
+def _save_file(tensors: dict[str, torch.Tensor], out: str) -> None:
+    """A single safetensors file (safetensors' own writer needs numpy, which cai-ckpt does not depend on)."""
+    from pathlib import Path
+
+    from cai.ckpt._format import SafetensorsWriter
+
+    writer = SafetensorsWriter(
+        Path(out), [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], {"format": "pt"}
+    )
+    for k, v in tensors.items():
+        writer.write(k, v)
+    writer.close()
 
 
 def save(parts, path: str, step: int, use_async: bool = False) -> None:

@@ -266,14 +266,20 @@ def test_async_save_snapshots_state_and_commits_on_wait(tmp_path):
 
 
 def test_single_file_hf_directory_loads(tmp_path):
-    from safetensors.torch import save_file
+    """A directory with one ``model.safetensors`` and no index (what small Hugging Face models ship)."""
+    from cai.ckpt._format import SafetensorsWriter
 
     m = _model(tie=False)
-    save_file(
-        {k: v.contiguous() for k, v in m.state_dict().items()},
-        str(tmp_path / "model.safetensors"),
+    sd = m.state_dict()
+    writer = SafetensorsWriter(
+        tmp_path / "model.safetensors",
+        [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()],
         {"format": "pt"},
     )
+    for k, v in sd.items():
+        writer.write(k, v)
+    writer.close()
+    assert set(load_file(str(tmp_path / "model.safetensors"))) == set(sd)  # the safetensors library reads it
     dst = _model(1, tie=False)
     ck.load_model(dst, tmp_path)
     assert _equal_state(m, dst)

@@ -10,6 +10,7 @@ slicing), after the header has been validated here so that a damaged file is rep
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
@@ -79,9 +80,18 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise CheckpointError(f"unknown safetensors dtype {name!r}") from None
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+class _Bytes:
+    """The bytes of a contiguous CPU tensor as a memoryview, without numpy (not a dependency).
+
+    The view does not own the memory: the object keeps the tensor alive for as long as the view is in use.
+    """
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t = t.detach().contiguous()
+        n = t.numel() * t.element_size()
+        self.view = (
+            memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+        )
 
 
 class SafetensorsWriter:
@@ -113,10 +123,12 @@ class SafetensorsWriter:
         self._delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
         self._put(memoryview(struct.pack("<Q", len(raw)) + raw))
 
-    def _put(self, mv: memoryview) -> None:
+    def _put(self, mv: memoryview, owner: Any = None) -> None:
         for i in range(0, len(mv), _CHUNK):
             chunk = mv[i : i + _CHUNK]
-            self._crc.put(chunk)
+            self._crc.put(
+                chunk, owner
+            )  # ``owner`` keeps the memory alive until the CRC thread is done with it
             self._file.write(chunk)
             self._bytes += len(chunk)
 
@@ -124,12 +136,13 @@ class SafetensorsWriter:
         expected = self._order[self._next]
         if name != expected:
             raise RuntimeError(f"SafetensorsWriter: got {name!r}, expected {expected!r} next")
-        mv = _as_bytes(tensor.cpu() if tensor.device.type != "cpu" else tensor)
+        data = _Bytes(tensor.cpu() if tensor.device.type != "cpu" else tensor)
+        mv = data.view
         if len(mv) != self._sizes[name]:
             raise RuntimeError(
                 f"SafetensorsWriter: {name!r} has {len(mv)} bytes, header says {self._sizes[name]}"
             )
-        self._put(mv)
+        self._put(mv, data)
         self._next += 1
         if self._delay:
             time.sleep(self._delay)
@@ -161,11 +174,11 @@ class _Crc:
         self._thread.start()
 
     def _main(self) -> None:
-        while (chunk := self._queue.get()) is not None:
-            self._value = zlib.crc32(chunk, self._value)
+        while (item := self._queue.get()) is not None:
+            self._value = zlib.crc32(item[0], self._value)
 
-    def put(self, chunk: memoryview) -> None:
-        self._queue.put(chunk)
+    def put(self, chunk: memoryview, owner: Any = None) -> None:
+        self._queue.put((chunk, owner))
 
     def result(self) -> int:
         self._queue.put(None)
@@ -261,7 +274,10 @@ def read_into(path: Path, offset: int, out: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor ``out`` with the bytes at ``offset`` (plain reads release the GIL)."""
     if not out.numel():
         return
-    mv = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    data = _Bytes(out)
+    if data.tensor.data_ptr() != out.data_ptr():
+        raise ValueError("read_into: the output tensor must be contiguous")
+    mv = data.view
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
         done = 0
