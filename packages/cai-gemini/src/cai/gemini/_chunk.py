@@ -78,6 +78,15 @@ def _alloc(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> t
     return t
 
 
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
 def _free_pinned(t: torch.Tensor) -> None:
     if t.device.type == "cpu" and t.numel() and torch.cuda.is_available() and t.is_pinned():
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
@@ -329,14 +338,19 @@ class Chunk:
             self._fold(shard_grad.to("cpu"))
             return
         self._wait_up()
-        self.io.copy_(
-            shard_grad, non_blocking=True
-        )  # device-to-host, asynchronous from pinned memory on CUDA
         self.io_has_grad = True
         self.tracker.moved["d2h"] += self._bytes(self.io)
-        if shard_grad.device.type == "cuda":
+        if shard_grad.device.type != "cuda":
+            self.io.copy_(shard_grad)
+            return
+        # device-to-host on a copy stream (asynchronous into pinned memory), so backward does not wait for it
+        side = _copy_stream(shard_grad.device)
+        side.wait_stream(torch.cuda.current_stream(shard_grad.device))
+        with torch.cuda.stream(side):
+            self.io.copy_(shard_grad, non_blocking=True)
             self._down = torch.cuda.Event()
-            self._down.record()
+            self._down.record(side)
+        shard_grad.record_stream(side)  # its memory is not reused before the copy has read it
 
     def wait_up(self) -> None:
         self._wait_up()
