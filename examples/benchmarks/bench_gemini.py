@@ -1,7 +1,9 @@
 """cai-gemini against FSDP2 at world size 1: no offload, optimizer offload, and the largest model on a 24 GiB budget.
 
-    python examples/benchmarks/bench_gemini.py --mode all           # on one H200, ~15 minutes
-    python examples/benchmarks/bench_gemini.py --mode nooffload     # or offload | largest (each < 5 minutes)
+    python examples/benchmarks/bench_gemini.py --mode nooffload     # one H200; each mode < 5 minutes
+    python examples/benchmarks/bench_gemini.py --mode offload
+    python examples/benchmarks/bench_gemini.py --mode largest
+    python examples/benchmarks/bench_gemini.py --mode all           # the three in one table (~12 minutes)
     python examples/benchmarks/bench_gemini.py --mode all --tiny    # CPU smoke run of every row
 
 Every row runs in its own subprocess, so peaks (device: torch.cuda.max_memory_allocated; host: peak RSS) belong to
