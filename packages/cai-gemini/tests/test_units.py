@@ -139,3 +139,26 @@ def test_bf16_and_fp16_train_single_process() -> None:
             losses.append(loss.item())
         assert losses[-1] < losses[0] - 0.5, (precision, losses)
         assert gm.chunks[0].full.dtype == cfg.working_dtype and gm.chunks[0].master.dtype == torch.float32
+
+
+def test_fp16_overflow_skips_step_and_backs_off() -> None:
+    from cai.gemini import LossScaleConfig
+
+    model = TinyTransformer()
+    cfg = GeminiConfig(
+        precision="fp16",
+        chunk=ChunkConfig(min_chunk_size_m=0.001),
+        loss_scale=LossScaleConfig(initial_scale=2.0**10, hysteresis=1),
+    )
+    gm, gopt = shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg, device="cpu")
+    before = gm.state_dict()
+    ids, labels = make_batch()
+    gopt.backward(gm.module.loss(gm(ids), labels) * float("inf"))
+    gopt.step()
+    assert gopt.skipped_steps == 1 and gm.loss_scale == 2.0**9
+    for k, v in gm.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    gopt.zero_grad()
+    gopt.backward(gm.module.loss(gm(ids), labels))
+    gopt.step()
+    assert gopt.skipped_steps == 1 and not torch.equal(gm.state_dict()["head.weight"], before["head.weight"])
