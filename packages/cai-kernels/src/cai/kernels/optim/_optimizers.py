@@ -111,7 +111,12 @@ class _Adam(torch.optim.Optimizer):
                 if p.device.type == "cpu" and self._native_cpu:
                     state["step"] += 1
                     adam_update(
-                        p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"].item(), **hyper
+                        _local(p),
+                        _local(p.grad),
+                        _local(state["exp_avg"]),
+                        _local(state["exp_avg_sq"]),
+                        step=state["step"].item(),
+                        **hyper,
                     )
                 else:
                     batches[(p.device, p.dtype)].append((p, p.grad, state))
@@ -230,3 +235,9 @@ class FusedAdam(_Adam):
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameters): the native kernel works on plain memory."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
