@@ -325,3 +325,19 @@ def test_shared_state_tensors_load_into_a_plain_optimizer(tmp_path):
     for i, p in enumerate(m.parameters()):
         st = opt.state[p]
         assert float(st["step"]) == 4.0 and torch.equal(st["exp_avg"], torch.full(p.shape, float(i)))
+
+
+def test_load_state_checks_every_part_before_changing_any(tmp_path):
+    src = _model(0, tie=False)
+    opt = torch.optim.AdamW(src.parameters())
+    _train(src, opt, 1)
+    ck.save_state(tmp_path / "run", model=src, optimizer=opt, step=1)
+    shard = next((tmp_path / "run/step-000001/optimizer").glob("optimizer-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    dst = _model(1, tie=False)
+    dst_opt = torch.optim.AdamW(dst.parameters())
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(ck.CheckpointError, match=f"{shard.name} has 100 bytes"):
+        ck.load_state(tmp_path / "run", model=dst, optimizer=dst_opt)
+    assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items()), "the model was loaded anyway"
+    assert not dst_opt.state
