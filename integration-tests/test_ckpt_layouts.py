@@ -171,3 +171,28 @@ def test_zero_checkpoint_is_hugging_face_layout(saved):
     for n, p in dst.named_parameters():
         assert torch.equal(p, at_save[n]), n
     assert not dist.is_initialized()
+
+
+def _save_gemini_tied(path: str) -> dict[str, torch.Tensor]:
+    from cai.gemini import ChunkConfig, GeminiConfig, shard
+
+    model = TinyTransformer(seed=0, tie_embeddings=True)
+    cfg = GeminiConfig(precision="fp32", chunk=ChunkConfig(chunk_size=3000, min_chunk_size_m=0))
+    gm, gopt = shard(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), config=cfg, device="cpu")
+    ids, labels = make_batch(batch_size=4, seed=0)
+    gopt.backward(gm.module.loss(gm(ids), labels))
+    gopt.step()
+    gopt.zero_grad()
+    ck.save_model(gm, path)
+    return {k: v.clone() for k, v in gm.state_dict().items()}
+
+
+def test_gemini_tied_weights_stored_once_and_loaded_into_a_plain_module(tmp_path):
+    full = run_distributed(_save_gemini_tied, 2, str(tmp_path / "m"))[0]
+    stored = ck.CheckpointReader(tmp_path / "m").names()
+    assert "embed.weight" in stored and "head.weight" not in stored
+    dst = TinyTransformer(seed=3, tie_embeddings=True)
+    ck.load_model(dst, tmp_path / "m", verify=True)
+    assert dst.head.weight is dst.embed.weight
+    for n, p in dst.named_parameters():
+        assert torch.equal(p, full[n]), n
