@@ -172,7 +172,9 @@ def run_row(row: Row, steps: int, warmup: int) -> dict:
         from cai.gemini import ChunkConfig, GeminiConfig, shard
         from cai.kernels.optim import HybridAdam
 
-        model = _llama(row.shape, row.seq, torch.bfloat16, "cpu")
+        t_build = time.perf_counter()
+        model = _llama(row.shape, row.seq, torch.bfloat16, device)  # a CPU init of 3B+ weights takes minutes
+        print(f"[{row.name}] built in {time.perf_counter() - t_build:.1f} s", file=sys.stderr, flush=True)
         result.update(_plan(row, model))
         cfg = GeminiConfig(
             precision="bf16",
@@ -194,6 +196,7 @@ def run_row(row: Row, steps: int, warmup: int) -> dict:
         t0 = time.perf_counter()
         model, optimizer = shard(model, HybridAdam(model.parameters(), lr=LR), config=cfg, memory=memory)
         result["shard_s"] = time.perf_counter() - t0
+        print(f"[{row.name}] sharded in {result['shard_s']:.1f} s", file=sys.stderr, flush=True)
         result["chunk"] = str(model.chunk_manager.search)
 
         def step() -> None:
@@ -307,6 +310,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model, CPU is fine: a smoke run of every row")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rows", default=None, help="comma-separated row names to run (default: all of the mode)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: run one row, print JSON
     args = ap.parse_args()
     steps = args.steps or (2 if args.tiny else 5)
@@ -316,7 +320,10 @@ def main() -> None:
         print("ROW_RESULT " + json.dumps(run_row(Row(**row_d), steps, args.warmup)), flush=True)
         return
     table = []
+    wanted = set(args.rows.split(",")) if args.rows else None
     for row in rows_for(args.mode, args.tiny):
+        if wanted is not None and row.name not in wanted:
+            continue
         cmd = [
             sys.executable,
             __file__,
@@ -328,14 +335,13 @@ def main() -> None:
             str(args.warmup),
         ]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=1800)  # progress on stderr
         out = {"row": row.name, "wall_s": time.perf_counter() - t0}
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW_RESULT ")]
         if lines:
             out.update(json.loads(lines[-1][len("ROW_RESULT ") :]))
         else:
-            out["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            sys.stderr.write(proc.stderr[-4000:])
+            out["error"] = f"row process exited with code {proc.returncode} (its output is above)"
         # the peer of each cai row: measured in this run when its row ran, else the figure of BENCHMARKS.md
         peer_row = {"gemini": "fsdp2", "gemini-offload-optim": "fsdp2-cpu-offload"}.get(row.name)
         if peer_row and "tokens_per_s" in out:

@@ -175,6 +175,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--offload", action="store_true", help="the 3B CPU-offload comparison")
     ap.add_argument("--tiny", action="store_true", help="tiny model on whatever device: a smoke test")
+    ap.add_argument("--no-peers", action="store_true", help="skip the peer rows (their figures: BENCHMARKS.md)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -217,6 +218,8 @@ def main() -> None:
             (lambda: row_zero(config, batch, grad_ckpt, stage=1), None),
             (lambda: row_zero(config, batch, grad_ckpt, stage=2), None),
         ]
+    if args.no_peers:
+        rows = [(b, p) for b, p in rows if p is None]
     results = [
         measure(b, shape, batch, warmup=args.warmup, steps=args.steps, grad_ckpt=grad_ckpt, peer=p)
         for b, p in rows
