@@ -234,6 +234,8 @@ def _kernel_output(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], module: object
 ) -> str:
     monkeypatch.setitem(sys.modules, "cai.kernels", module)
+    # `import cai.kernels as k` binds the `cai` namespace's attribute when a real cai.kernels was imported earlier
+    monkeypatch.delattr(sys.modules["cai"], "kernels", raising=False)
     _report_kernels()
     return capsys.readouterr().out
 
