@@ -36,7 +36,9 @@ def _cpu_env() -> dict[str, str]:
 
 
 def _install_workspace(session: nox.Session) -> None:
-    session.install("-c", CONSTRAINTS, "torch", "transformers", "triton", "safetensors", "numpy", "ninja", "peft")
+    session.install(
+        "-c", CONSTRAINTS, "torch", "transformers", "triton", "safetensors", "numpy", "ninja", "peft"
+    )
     session.install("-c", CONSTRAINTS, "pytest", "pytest-xdist", "hypothesis", "hatchling", "editables")
     editable = [arg for p in PACKAGES for arg in ("-e", str(ROOT / "packages" / f"cai-{p}"))]
     session.install("-c", CONSTRAINTS, "--no-deps", "--no-build-isolation", *editable)

@@ -310,7 +310,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model, CPU is fine: a smoke run of every row")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rows", default=None, help="comma-separated row names to run (default: all of the mode)")
+    ap.add_argument(
+        "--rows", default=None, help="comma-separated row names to run (default: all of the mode)"
+    )
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # internal: run one row, print JSON
     args = ap.parse_args()
     steps = args.steps or (2 if args.tiny else 5)

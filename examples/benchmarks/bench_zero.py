@@ -175,7 +175,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--offload", action="store_true", help="the 3B CPU-offload comparison")
     ap.add_argument("--tiny", action="store_true", help="tiny model on whatever device: a smoke test")
-    ap.add_argument("--no-peers", action="store_true", help="skip the peer rows (their figures: BENCHMARKS.md)")
+    ap.add_argument(
+        "--no-peers", action="store_true", help="skip the peer rows (their figures: BENCHMARKS.md)"
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()

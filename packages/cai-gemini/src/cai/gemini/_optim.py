@@ -356,6 +356,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
     def _warm_after_load(self) -> None:
         pass
 
+    def ensure_state(self) -> None:
+        """Create every chunk's Adam state now (zeros), so a loader knows its keys before the first step."""
+        for chunk in self._trainable():
+            self._state(chunk)
+
     def param_groups_state(self) -> list[dict[str, Any]]:
         """JSON-able hyperparameters per group, with ``params`` as parameter names."""
         out = []

@@ -436,6 +436,9 @@ class ZeroOptimizer:
     load_sharded_state_dict = _state.load_sharded_state_dict
     model_sharded_state_dict = _state.model_sharded_state_dict
     load_model_sharded_state_dict = _state.load_model_sharded_state_dict
+    ensure_state = (
+        _state.ensure_state
+    )  # optimizer state exists before the first step (so loaders know its keys)
     param_groups_state = _state.param_groups_state
     load_param_groups_state = _state.load_param_groups_state
     state_dict = _state.state_dict

@@ -27,7 +27,7 @@ def _is_flat(value: Any, b: Bucket) -> bool:
     return isinstance(value, torch.Tensor) and tuple(value.shape) == (b.shard,)
 
 
-def _ensure_state(zo: ZeroOptimizer) -> None:
+def ensure_state(zo: ZeroOptimizer) -> None:
     """Create the wrapped optimizer's state (so its keys are known) with a zero-gradient, zero-lr step."""
     if all(len(zo.optim.state.get(b.master, {})) for b in zo.buckets):
         return
@@ -72,7 +72,7 @@ def sharded_state_dict(zo: ZeroOptimizer) -> dict[str, LocalShard]:
 
 def load_sharded_state_dict(zo: ZeroOptimizer, read: Read) -> None:
     """Fill this rank's optimizer state from ``read(name, spec, dtype)``, whatever layout wrote it."""
-    _ensure_state(zo)
+    ensure_state(zo)
     for b in zo.buckets:
         for key, value in zo.optim.state[b.master].items():
             if _is_flat(value, b):

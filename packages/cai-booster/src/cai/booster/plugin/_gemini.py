@@ -195,9 +195,7 @@ class GeminiPlugin(DPPluginBase):
 
     def prepare_optimizer_load(self, optimizer: OptimizerWrapper) -> None:
         # The loader checks keys before loading; cai-gemini creates a chunk's Adam state at its first step.
-        go = optimizer.unwrap()
-        for chunk in go._trainable():
-            go._state(chunk)
+        optimizer.unwrap().ensure_state()
 
 
 class GeminiOptimizerWrapper(OptimizerWrapper):

@@ -178,9 +178,7 @@ class LowLevelZeroPlugin(DPPluginBase):
 
     def prepare_optimizer_load(self, optimizer: OptimizerWrapper) -> None:
         # cai-zero creates its state lazily; its loader does the same, but only after the key check.
-        from cai.zero._state import _ensure_state
-
-        _ensure_state(optimizer.unwrap())
+        optimizer.unwrap().ensure_state()
 
 
 class ZeroOptimizerWrapper(OptimizerWrapper):
