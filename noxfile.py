@@ -18,6 +18,8 @@ import zipfile
 from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = str(ROOT / "constraints" / "ci.txt")
@@ -80,10 +82,10 @@ def _check_metadata(meta: email.message.Message, package: str) -> None:
         raise RuntimeError(
             f"{name}: metadata says {meta['Name']} {meta['Version']}, expected {name} {VERSION}"
         )
-    for req in meta.get_all("Requires-Dist") or []:
-        dep = req.split(";")[0].strip()
-        if dep.startswith("cai-") and not dep.endswith(SIBLING_RANGE):
-            raise RuntimeError(f"{name}: sibling dependency {dep!r} must use the range {SIBLING_RANGE}")
+    for line in meta.get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.name.startswith("cai-") and req.specifier != SpecifierSet(SIBLING_RANGE):
+            raise RuntimeError(f"{name}: sibling dependency {line!r} must use the range {SIBLING_RANGE}")
 
 
 @nox.session
