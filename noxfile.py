@@ -130,6 +130,8 @@ def isolated(session: nox.Session, package: str) -> None:
         str(tests_dir),
         "-o",
         "addopts=--import-mode=importlib",
+        "-o",
+        "markers=gpu: needs a CUDA device",
         str(tests_dir),
         env=_cpu_env(),
     )
