@@ -64,6 +64,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch(cmd: list[str], *, env: dict[str, str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    """Run a real launch on a free master port; ``{port}`` in ``cmd`` is filled in. The port is only free when
+    probed: another process (a parallel test worker) may take it before torchrun binds it, so a launch that fails
+    with EADDRINUSE is retried once on a new port."""
+    for attempt in range(2):
+        port = str(_free_port())
+        proc = subprocess.run(
+            [port if a == "{port}" else a for a in cmd],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+        )
+        if "EADDRINUSE" not in proc.stdout + proc.stderr or attempt:
+            return proc
+    raise AssertionError("unreachable")
+
+
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
@@ -94,12 +113,12 @@ def test_cai_run_starts_2_local_processes(worker: Path) -> None:
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(_free_port()),
+        "{port}",
         str(worker),
         str(out),
         "--flag",
     ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120, cwd=worker.parent)
+    proc = _launch(cmd, env=_env(), cwd=worker.parent, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _results(out) == ["2 3.0 --flag", "2 3.0 --flag"]
 
@@ -110,10 +129,10 @@ def test_cai_run_hostfile_starts_one_torchrun_per_node(worker: Path) -> None:
     (worker.parent / "hosts").write_text("# two nodes\nnodeA slots=1\n\nnodeB\nnodeC\n")
     cmd = [
         *_cai(), "run", "--hostfile", "hosts", "--exclude", "nodeC", "--nproc_per_node", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(worker), str(out), "x",
+        "--master_addr", "127.0.0.1", "--master_port", "{port}", str(worker), str(out), "x",
     ]  # fmt: skip
     env = _env(CAI_SSH=str(worker.parent / "ssh.sh"))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=worker.parent)
+    proc = _launch(cmd, env=env, cwd=worker.parent, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _results(out) == ["2 3.0 x", "2 3.0 x"]
     assert "nodeA (node_rank 0): ok" in proc.stdout and "nodeB (node_rank 1): ok" in proc.stdout
@@ -294,10 +313,10 @@ def test_cai_run_on_local_gpus_with_nccl(tmp_path: Path) -> None:
         "--nproc_per_node",
         str(n),
         "--master_port",
-        str(_free_port()),
+        "{port}",
         "w.py",
         str(tmp_path),
     ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = _launch(cmd, env=_env(), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _results(tmp_path) == [f"nccl cuda {n * (n + 1) / 2}"] * n

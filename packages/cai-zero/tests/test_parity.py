@@ -103,6 +103,7 @@ def sharded_steps(case: Case, model, opt: ZeroOptimizer, steps: range) -> dict:
         opt.zero_grad()
         dist.all_reduce(total)
         out["losses"].append(total.item() / case.dp)
+        opt.wait_for_params()  # with overlap_allgather the all-gathers may still be in flight
         out["params"].append(params_of(model))
     return out
 

@@ -331,6 +331,14 @@ class ZeroOptimizer:
         if async_op:
             b.gather_work = [work, shard]
 
+    def wait_for_params(self) -> None:
+        """Wait for every outstanding post-step all-gather (``overlap_allgather=True``).
+
+        Each module's forward waits for its own parameters; code that reads parameters outside a forward after
+        ``step()`` (evaluation by hand, comparisons, exports) calls this first.
+        """
+        self._wait_gather(self.buckets)
+
     def _wait_gather(self, buckets: Iterable[Bucket]) -> None:
         for b in buckets:
             if b.gather_work:
