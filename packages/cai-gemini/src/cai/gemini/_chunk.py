@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cai.gemini._memory import DEVICE, HOST, MemoryTracker
+from cai.mesh import all_gather_into_tensor, reduce_scatter_tensor
 
 __all__ = ["Chunk", "ChunkFullError", "TensorInfo", "TensorState"]
 
@@ -246,7 +247,7 @@ class Chunk:
         if self.world_size == 1:
             self.full.copy_(src)
         else:
-            self.pending = dist.all_gather_into_tensor(self.full, src, group=self.group, async_op=async_op)
+            self.pending = all_gather_into_tensor(self.full, src, group=self.group, async_op=async_op)
             if not async_op:
                 self.pending = None
         self.gathered = True
@@ -321,7 +322,7 @@ class Chunk:
             self.tracker.add(DEVICE, "unreduced", -self._bytes(buf))
         if self.world_size > 1:
             out = torch.empty(self.shard_size, dtype=buf.dtype, device=self.device)
-            dist.reduce_scatter_tensor(out, buf, group=self.group)
+            reduce_scatter_tensor(out, buf, group=self.group)
             out.div_(self.world_size)
         else:
             out = buf
@@ -424,7 +425,7 @@ class Chunk:
             self.shard.copy_(self.master, non_blocking=True)
         if self.keep_gathered and self.world_size > 1:
             assert self.full is not None
-            dist.all_gather_into_tensor(self.full, self.shard.clone(), group=self.group)
+            all_gather_into_tensor(self.full, self.shard.clone(), group=self.group)
 
     # ---- moves between device and host ----------------------------------------------------------------------
     def move_shard(self, to: str) -> None:

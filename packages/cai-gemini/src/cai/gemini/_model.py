@@ -18,7 +18,7 @@ from cai.gemini._config import GeminiConfig
 from cai.gemini._manager import BWD, FWD, AutoPlacer, ChunkManager
 from cai.gemini._memory import CudaMemoryTracker, MemoryTracker
 from cai.gemini._state import gather_full, iter_pieces, source_shard
-from cai.mesh import LocalShard, ShardSpec
+from cai.mesh import LocalShard, ShardSpec, all_gather_into_tensor
 
 __all__ = ["GeminiModel"]
 
@@ -261,7 +261,7 @@ class GeminiModel(nn.Module):
         for c in self.chunks:
             if c.keep_gathered and c.world_size > 1:
                 assert c.full is not None and c.shard is not None
-                dist.all_gather_into_tensor(c.full, c.shard.clone(), group=c.group)
+                all_gather_into_tensor(c.full, c.shard.clone(), group=c.group)
         for name, buf in self._buffers_by_name():
             buf.copy_(read(name, ShardSpec.full(buf.shape), buf.dtype))
 

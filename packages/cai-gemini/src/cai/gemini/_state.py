@@ -6,10 +6,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from cai.gemini._chunk import Chunk, TensorInfo
-from cai.mesh import ShardSpec
+from cai.mesh import ShardSpec, all_gather_into_tensor
 
 __all__ = ["Piece", "gather_full", "iter_pieces"]
 
@@ -50,5 +49,5 @@ def gather_full(c: Chunk, local: torch.Tensor) -> torch.Tensor:
         return local.detach().to("cpu", copy=True)
     src = local.detach().to(c.device)
     full = torch.empty(c.chunk_size, dtype=src.dtype, device=c.device)
-    dist.all_gather_into_tensor(full, src, group=c.group)
+    all_gather_into_tensor(full, src, group=c.group)
     return full.cpu()

@@ -14,6 +14,7 @@ from cai.mesh._accelerator import (
     get_current_device,
     set_accelerator,
 )
+from cai.mesh._collectives import all_gather_into_tensor, reduce_scatter_tensor
 from cai.mesh._coordinator import DistCoordinator
 from cai.mesh._launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, set_seed
 from cai.mesh._logging import DistributedLogger, disable_existing_loggers, get_dist_logger
@@ -34,6 +35,7 @@ __all__ = [
     "ParallelMesh",
     "ShardSpec",
     "__version__",
+    "all_gather_into_tensor",
     "assemble",
     "auto_set_accelerator",
     "disable_existing_loggers",
@@ -44,6 +46,7 @@ __all__ = [
     "launch_from_openmpi",
     "launch_from_slurm",
     "launch_from_torch",
+    "reduce_scatter_tensor",
     "set_accelerator",
     "set_seed",
 ]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cai.mesh import all_gather_into_tensor, reduce_scatter_tensor
 from cai.zero import _state
 from cai.zero._bucket import Bucket, Slot, plan_buckets
 from cai.zero._config import LossScaleConfig, ZeroConfig
@@ -277,7 +278,7 @@ class ZeroOptimizer:
                 grad.div_(self.world_size)  # before the sum, so fp16 gradients do not overflow in it
                 if self.config.stage == 2:
                     out = torch.empty(b.shard, dtype=grad.dtype, device=self.device)
-                    dist.reduce_scatter_tensor(out, grad, group=self.group)
+                    reduce_scatter_tensor(out, grad, group=self.group)
                 else:
                     dist.all_reduce(grad, group=self.group)
                     out = grad[b.lo : b.hi]
@@ -327,7 +328,7 @@ class ZeroOptimizer:
         if self.world_size == 1:
             b.working.copy_(shard)
             return
-        work = dist.all_gather_into_tensor(b.working, shard, group=self.group, async_op=async_op)
+        work = all_gather_into_tensor(b.working, shard, group=self.group, async_op=async_op)
         if async_op:
             b.gather_work = [work, shard]
 

@@ -12,9 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from cai.mesh import LocalShard, ShardSpec
+from cai.mesh import LocalShard, ShardSpec, all_gather_into_tensor
 
 if TYPE_CHECKING:
     from cai.zero._bucket import Bucket
@@ -174,7 +173,7 @@ def state_dict(zo: ZeroOptimizer) -> dict[str, Any]:
                 full = value.to(zo.device)
                 if zo.world_size > 1:
                     full = torch.empty(b.padded, dtype=value.dtype, device=zo.device)
-                    dist.all_gather_into_tensor(full, value.to(zo.device), group=zo.group)
+                    all_gather_into_tensor(full, value.to(zo.device), group=zo.group)
                 full = full.cpu()
             for s in b.slots:
                 if _is_flat(value, b):

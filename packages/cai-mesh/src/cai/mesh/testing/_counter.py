@@ -23,6 +23,8 @@ _OPS: dict[str, str] = {
     "broadcast": "arg0",
     "reduce": "arg0",
     "reduce_scatter_tensor": "arg1",
+    "reduce_scatter_single": "arg1",  # torch >= 2.13's name for reduce_scatter_tensor
+    "all_gather_single": "arg0",  # torch >= 2.13's name for all_gather_into_tensor
     "reduce_scatter": "list1",
     "all_gather_into_tensor": "arg0",
     "all_gather": "list0",
@@ -38,6 +40,10 @@ _OPS: dict[str, str] = {
     "all_gather_object": "none",
     "broadcast_object_list": "none",
 }
+
+
+# Ops recorded under one name whatever the torch release calls them, so tests read the same on every version.
+_CANONICAL = {"reduce_scatter_single": "reduce_scatter_tensor", "all_gather_single": "all_gather_into_tensor"}
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,8 @@ class CollectiveCounter(contextlib.ContextDecorator):
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
             ranks = _group_ranks(args, kwargs)
-            self.events.append(CollectiveEvent(op, ranks, _size(how, args, kwargs, len(ranks))))
+            name = _CANONICAL.get(op, op)
+            self.events.append(CollectiveEvent(name, ranks, _size(how, args, kwargs, len(ranks))))
             return original(*args, **kwargs)
 
         return counted
