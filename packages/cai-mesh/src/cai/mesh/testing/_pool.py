@@ -82,24 +82,11 @@ def _resolve(task: _Task) -> Callable:
     return obj
 
 
-def _seed_all(seed: int) -> None:
-    import random
-
-    import torch
-
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-
-
 def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
+
+    from cai.mesh import set_seed
 
     torch.set_num_threads(1)  # many ranks share a few cores; oversubscription makes gloo tests crawl
     os.environ.update(
@@ -131,7 +118,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results
                     timeout=timedelta(seconds=max(task.timeout, 1.0)),
                 )
                 try:
-                    _seed_all(task.seed)
+                    set_seed(task.seed)
                     value = fn(*args, **kwargs)
                 except BaseException as e:
                     e._cai_failed_at = time.time()  # before tearing down the group, which fails the peers too
