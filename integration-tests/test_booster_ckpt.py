@@ -16,44 +16,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from cai.mesh import LocalShard, assemble
 from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 64
+from _booster_cases import PLUGINS, VOCAB, gathered_params, make_plugin, tiny_llama  # noqa: E402
+
 SEQ = 12
 GLOBAL_BATCH = 4
-PLUGINS = ("ddp", "fsdp", "zero1", "zero2", "gemini")
 LOAD_WORLD = {"ddp": 1, "fsdp": 4, "zero1": 2, "zero2": 4, "gemini": 2}  # every pair changes the layout
-
-
-def tiny_llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float()
-
-
-def make_plugin(name: str):
-    from cai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
-
-    if name == "gemini":
-        return GeminiPlugin(precision="fp32")
-    if name == "ddp":
-        return TorchDDPPlugin()
-    if name == "fsdp":
-        return TorchFSDPPlugin(precision="fp32")
-    return LowLevelZeroPlugin(stage=int(name[-1]), precision="fp32")
 
 
 def boosted(name: str, scheduler: bool = False):
@@ -84,16 +55,6 @@ def train_step(booster, model, opt, ids: torch.Tensor) -> float:
     return total.item() / dist.get_world_size()
 
 
-def full_params(booster, model) -> dict[str, torch.Tensor]:
-    """Every parameter assembled from all ranks' pieces of the plugin's state."""
-    state = booster.plugin.model_state(model).sharded_state_dict()
-    pieces = {n: (s.tensor.detach().float().cpu().clone(), s.spec) for n, s in state.items()}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, pieces)
-    names = {n for n, _ in model.unwrap().named_parameters()}
-    return {n: assemble([LocalShard(*r[n]) for r in everyone if n in r]) for n in names}
-
-
 def shared_tmpdir() -> str:
     obj = [tempfile.mkdtemp(prefix="cai-booster-ckpt-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(obj, src=0)
@@ -108,7 +69,7 @@ def save_run(name: str) -> dict:
     booster.save_model(model, os.path.join(path, "model"), shard=True, size_per_shard=0.01)
     booster.save_optimizer(opt, os.path.join(path, "optim"), shard=True, size_per_shard=0.01)
     losses = [train_step(booster, model, opt, batch(step)) for step in range(3, 6)]
-    return {"path": path, "losses": losses, "params": full_params(booster, model)}
+    return {"path": path, "losses": losses, "params": gathered_params(booster, model)}
 
 
 def load_run(name: str, path: str) -> dict:
@@ -116,7 +77,7 @@ def load_run(name: str, path: str) -> dict:
     booster.load_model(model, os.path.join(path, "model"))
     booster.load_optimizer(opt, os.path.join(path, "optim"))
     losses = [train_step(booster, model, opt, batch(step)) for step in range(3, 6)]
-    return {"losses": losses, "params": full_params(booster, model)}
+    return {"losses": losses, "params": gathered_params(booster, model)}
 
 
 _SAVED: dict[str, dict] = {}
@@ -208,7 +169,7 @@ def lazy_hf_run(name: str) -> dict:
     assert all(p.device.type == "meta" for p in model.parameters())
     booster = Booster(plugin=make_plugin(name), device="cpu")
     model, *_ = booster.boost(model)
-    got = full_params(booster, model)
+    got = gathered_params(booster, model)
     booster.save_model(model, os.path.join(path, "saved"), shard=True, size_per_shard=0.02)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     reference = tiny_llama()

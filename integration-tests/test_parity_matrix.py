@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cai.mesh import LocalShard, assemble
 from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
+from _booster_cases import PLUGINS, VOCAB, gathered_params, make_plugin, tiny_llama  # noqa: E402
+
 STEPS = 20
 GLOBAL_BATCH = 8
 SEQ = 16
-VOCAB = 64
 LR = 1e-3
 MAX_NORM = 0.05  # small enough that clipping is active on every step
 
@@ -38,42 +38,9 @@ class Case:
         return f"{self.plugin}-dp{self.dp}-{self.mode}"
 
 
-PLUGINS = ("ddp", "fsdp", "zero1", "zero2", "gemini")
 CASES = [
     Case(plugin=p, dp=dp, mode=m) for p in PLUGINS for dp in (1, 2, 4) for m in ("plain", "accum", "clip")
 ]
-
-
-def tiny_llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float()
-
-
-def make_plugin(name: str):
-    from cai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
-
-    if name == "ddp":
-        return TorchDDPPlugin()
-    if name == "fsdp":
-        return TorchFSDPPlugin(precision="fp32")
-    if name in ("zero1", "zero2"):
-        return LowLevelZeroPlugin(stage=int(name[-1]), precision="fp32")
-    if name == "gemini":
-        from cai.booster.plugin import GeminiPlugin
-
-        return GeminiPlugin(precision="fp32")
-    raise ValueError(name)
 
 
 def batch(step: int) -> torch.Tensor:
@@ -90,18 +57,6 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
-
-
-def gathered_params(booster, model) -> dict[str, torch.Tensor]:
-    """Every parameter assembled from all ranks' pieces of the plugin's state (the checkpoint's source of truth)."""
-    pieces = {
-        n: (s.tensor.detach().float().cpu().clone(), s.spec)
-        for n, s in booster.plugin.model_state(model).sharded_state_dict().items()
-    }
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, pieces)
-    names = {n for n, _ in model.unwrap().named_parameters()}
-    return {n: assemble([LocalShard(*r[n]) for r in everyone if n in r]) for n in names}
 
 
 def reference_run(mode: str, micro: int) -> tuple[list[float], dict[str, torch.Tensor]]:
