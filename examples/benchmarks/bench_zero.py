@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -53,6 +54,10 @@ def _release() -> None:
         torch.cuda.reset_peak_memory_stats()
         if hasattr(torch._C, "_host_emptyCache"):  # pinned host blocks the previous row cached
             torch._C._host_emptyCache()
+
+
+def _host_peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _build(config, device: torch.device, grad_ckpt: bool, dtype: torch.dtype = torch.float32):
@@ -136,7 +141,13 @@ def measure(build: Callable, shape: ModelShape, batch, *, warmup: int, steps: in
     _release()
     name = getattr(build, "__name__", "row")
     try:
+        t0 = time.perf_counter()
         name, model, step, timer = build()
+        print(
+            f"[{name}] built in {time.perf_counter() - t0:.1f} s, {_host_peak_gib():.1f} GiB host peak",
+            file=sys.stderr,
+            flush=True,
+        )
         for _ in range(warmup):
             step()
         synchronize(batch.device)
@@ -148,6 +159,11 @@ def measure(build: Callable, shape: ModelShape, batch, *, warmup: int, steps: in
             step()
             synchronize(batch.device)
             times.append(time.perf_counter() - t0)
+            print(
+                f"[{name}] step {len(times)}: {1e3 * times[-1]:.0f} ms, {_host_peak_gib():.1f} GiB host peak",
+                file=sys.stderr,
+                flush=True,
+            )
         sec = statistics.median(times)
         tput = Throughput.measure(
             shape, tokens=batch.numel(), seconds=sec, seq_len=batch.shape[1], grad_ckpt=grad_ckpt
@@ -178,6 +194,7 @@ def main() -> None:
     ap.add_argument(
         "--no-peers", action="store_true", help="skip the peer rows (their figures: BENCHMARKS.md)"
     )
+    ap.add_argument("--rows", default=None, help="comma-separated rows to run (default: all of the mode)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -207,24 +224,35 @@ def main() -> None:
         shape = ModelShape.of(LlamaForCausalLM(config), config)
 
     if args.offload:
-        rows = [
-            (lambda: row_fsdp2(config, batch, grad_ckpt, offload=True), PEERS["fsdp2_offload"]),
-            (lambda: row_zero(config, batch, grad_ckpt, stage=2, offload=True), None),
-            (lambda: row_zero(config, batch, grad_ckpt, stage=2, offload=True, overlap_step=True), None),
-            (lambda: row_zero(config, batch, grad_ckpt, stage=2), None),
-        ]
+        rows = {
+            "fsdp2-offload": (
+                lambda: row_fsdp2(config, batch, grad_ckpt, offload=True),
+                PEERS["fsdp2_offload"],
+            ),
+            "zero2-offload": (lambda: row_zero(config, batch, grad_ckpt, stage=2, offload=True), None),
+            "zero2-offload-overlap": (
+                lambda: row_zero(config, batch, grad_ckpt, stage=2, offload=True, overlap_step=True),
+                None,
+            ),
+            "zero2": (lambda: row_zero(config, batch, grad_ckpt, stage=2), None),
+        }
     else:
-        rows = [
-            (lambda: row_eager(config, batch, grad_ckpt), PEERS["eager"]),
-            (lambda: row_fsdp2(config, batch, grad_ckpt), PEERS["fsdp2"]),
-            (lambda: row_zero(config, batch, grad_ckpt, stage=1), None),
-            (lambda: row_zero(config, batch, grad_ckpt, stage=2), None),
-        ]
+        rows = {
+            "eager": (lambda: row_eager(config, batch, grad_ckpt), PEERS["eager"]),
+            "fsdp2": (lambda: row_fsdp2(config, batch, grad_ckpt), PEERS["fsdp2"]),
+            "zero1": (lambda: row_zero(config, batch, grad_ckpt, stage=1), None),
+            "zero2": (lambda: row_zero(config, batch, grad_ckpt, stage=2), None),
+        }
+    if args.rows:
+        unknown = set(args.rows.split(",")) - rows.keys()
+        if unknown:
+            raise SystemExit(f"--rows: unknown {sorted(unknown)}; this mode has {list(rows)}")
+        rows = {k: v for k, v in rows.items() if k in args.rows.split(",")}
     if args.no_peers:
-        rows = [(b, p) for b, p in rows if p is None]
+        rows = {k: (b, p) for k, (b, p) in rows.items() if p is None}
     results = [
         measure(b, shape, batch, warmup=args.warmup, steps=args.steps, grad_ckpt=grad_ckpt, peer=p)
-        for b, p in rows
+        for b, p in rows.values()
     ]
     report(results, args, preset, batch_size, seq, device, shape)
     dist.destroy_process_group()
@@ -259,13 +287,15 @@ def report(
         for r in ok[1:]:
             print(f"overhead vs eager, {r['name'][:40]}: {r['step_ms'] - base['step_ms']:+.1f} ms/step")
     if args.offload and no_offload:
+        fsdp2 = next((r for r in ok if r["name"].startswith("FSDP2")), None)
+        peer, where = (
+            (fsdp2["tokens_per_s"], "measured here") if fsdp2 else (PEERS["fsdp2_offload"], "BENCHMARKS.md")
+        )
         for r in ok:
             if "cpu_offload" in r["name"]:
                 print(
                     f"{r['name'][:70]}: {r['tokens_per_s'] / no_offload['tokens_per_s']:.0%} of no-offload, "
-                    f"{r['tokens_per_s'] / base['tokens_per_s']:.1f}x FSDP2 offload"
-                    if "error" not in base
-                    else ""
+                    f"{r['tokens_per_s'] / peer:.1f}x FSDP2 offload ({peer:,.0f} tok/s, {where})"
                 )
     if args.offload:
         bound = offload_bound(shape, no_offload)

@@ -79,13 +79,15 @@ def _alloc(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> t
     return t
 
 
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_COPY_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    return _COPY_STREAMS[device]
+def _copy_stream(device: torch.device, direction: str = "down") -> torch.cuda.Stream:
+    """One side stream per device and direction (PCIe copies both ways at once)."""
+    key = (device, direction)
+    if key not in _COPY_STREAMS:
+        _COPY_STREAMS[key] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[key]
 
 
 def _free_pinned(t: torch.Tensor) -> None:
@@ -356,6 +358,11 @@ class Chunk:
     def wait_up(self) -> None:
         self._wait_up()
 
+    def join_up(self) -> None:
+        """Order the current stream after the copy up of the parameters (no host wait)."""
+        if self._up is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._up)
+
     def _wait_up(self) -> None:
         if self._up is not None:
             self._up.synchronize()
@@ -405,10 +412,20 @@ class Chunk:
         self.grads_ready = 0
 
     # ---- after the optimizer step --------------------------------------------------------------------------
-    def write_back(self, *, io_written: bool = False) -> None:
+    def mark_shard_reads(self) -> torch.cuda.Event | None:
+        """An event after every read of the device shard queued so far on the current stream (None off CUDA)."""
+        if self.shard is None or self.shard.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def write_back(self, *, io_written: bool = False, after: torch.cuda.Event | None = None) -> None:
         """Copy the updated fp32 master shard into the working shard; re-gather a kept-gathered chunk.
 
         ``io_written``: the optimizer already wrote the new working-precision values into ``io``.
+        ``after``: copy up on the side stream once this event has passed (from a worker thread, during
+        backward); the compute stream must then ``join_up()`` before it reads the shard.
         """
         assert self.master is not None and self.shard is not None
         if self.io is not None:
@@ -417,8 +434,14 @@ class Chunk:
             self.io_has_grad = False
             if not io_written:
                 self.io.copy_(self.master)
-            self.shard.copy_(self.io, non_blocking=True)
-            if self.shard.device.type == "cuda":
+            if self.shard.device.type != "cuda":
+                self.shard.copy_(self.io)
+                return
+            stream = _copy_stream(self.shard.device, "up") if after is not None else None
+            with torch.cuda.stream(stream):  # None: the current stream
+                if after is not None:
+                    stream.wait_event(after)  # type: ignore[union-attr]
+                self.shard.copy_(self.io, non_blocking=True)
                 self._up = torch.cuda.Event()
                 self._up.record()
         else:

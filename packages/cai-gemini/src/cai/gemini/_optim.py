@@ -261,13 +261,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
         nxt = self._next_steps()
         for c in chunks:
             early = self._early.pop(c.index, None)
-            if early is not None:
-                early.result()  # updated in the background during backward
-            else:
+            if early is not None and early.result():  # updated (and copied up) in the background
+                c.join_up()
+                continue
+            if early is None:
                 self._update_chunk(c, nxt)
-        self._steps = nxt
-        for c in chunks:
             c.write_back(io_written=c.io is not None and c.index in self._direct)
+        self._steps = nxt
         if not self._warm:
             self._warm = True
             if self.model.placer is not None:
@@ -280,7 +280,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
     def _next_steps(self) -> list[int]:
         return [s + 1 if segs else s for s, segs in zip(self._steps, self._segments)]
 
-    def _update_chunk(self, c: Chunk, steps: list[int]) -> None:
+    def _update_chunk(self, c: Chunk, steps: list[int], num_threads: int | None = None) -> None:
         """Adam on every segment of one chunk's shard, where the chunk's master weights live."""
         g = c.step_grad()
         st = self._state(c)
@@ -305,20 +305,33 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 adamw_mode=_adamw_mode(self.optim, group),
                 bias_correction=bool(group.get("bias_correction", True)),
                 out=c.io[lo:hi] if direct else None,  # type: ignore[index]  # grad read before param written
+                num_threads=num_threads,
             )
         if direct:
             c.io_has_grad = False  # ``io`` now holds the new parameters, not the gradient
 
     def _on_reduced(self, c: Chunk) -> None:
         # [Note: overlapped host step] the chunk's gradient is final (one synchronised backward per step, no
-        # clipping, no loss scale): update its host shard on a worker thread while backward goes on; the native
-        # CPU Adam releases the GIL. ``step`` joins the worker and copies the parameters up.
+        # clipping, no loss scale): update its host shard on a worker thread while backward goes on (the native
+        # CPU Adam releases the GIL and leaves one core to the thread that feeds the GPU), then start the copy of
+        # the new parameters up on a side stream. The chunks reduced last in backward are the first the next
+        # forward needs, so the copies of all the others are hidden behind the remaining host updates. ``step``
+        # joins the worker and makes the compute stream wait for the copies.
         if c.io is None or c.master is None or c.index in self._early:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="gemini-host-adam")
         self._state(c)  # allocate on the main thread
-        self._early[c.index] = self._pool.submit(self._update_chunk, c, self._next_steps())
+        after = c.mark_shard_reads()  # the compute stream's last read of the device shard, on this thread
+        self._early[c.index] = self._pool.submit(self._update_early, c, self._next_steps(), after)
+
+    def _update_early(self, c: Chunk, steps: list[int], after: torch.cuda.Event | None) -> bool:
+        """Worker thread: the chunk's update, then its copy up unless a collective is needed (step does it)."""
+        self._update_chunk(c, steps, num_threads=max(1, torch.get_num_threads() - 1))
+        if c.keep_gathered and c.world_size > 1:
+            return False  # re-gathering is a collective: keep those on the main thread, in order
+        c.write_back(io_written=c.index in self._direct, after=after)
+        return True
 
     # ---- state ----------------------------------------------------------------------------------------------
     def _group_index(self) -> dict[str, int]:

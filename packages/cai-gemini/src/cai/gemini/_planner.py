@@ -9,7 +9,8 @@ device also the gathered chunks in flight (current, prefetched and the one held 
 buffers. Non-model data is the activation estimate of a decoder-only transformer (``TransformerShape``): with
 checkpointing, each layer's input plus one layer recomputed in backward; without, every layer's saved tensors;
 plus the logits and the loss's fp32 copies, which dominate with large vocabularies. Host peak adds the model as
-built on the host before chunks take over (its largest point).
+built on the host before chunks take over (its largest point), when its parameters are on the host; a model built
+on the GPU or on the meta device has no such point.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def plan(
         chunk: the chunk layout (default ``ChunkConfig(hidden_dim=hidden)``).
         max_prefetch: chunks gathered ahead.
         shape: the transformer's sizes when ``model`` has no Hugging Face config.
-        init_dtype_bytes: bytes per element of the model as built on the host (2 for bf16, 4 for fp32).
+        init_dtype_bytes: bytes per element of the model as built on the host (2 for bf16, 4 for fp32); only
+            counted when ``model``'s parameters are on the host.
 
     Returns:
         A ``MemoryPlan``; ``print(plan)`` shows the table, the recommendation, and, when nothing fits, what
@@ -181,6 +183,7 @@ def plan(
     trained = _padded([n for n, p in zip(numels, params) if p.requires_grad], csize, world_size)
     padded = trained + _padded([n for n, p in zip(numels, params) if not p.requires_grad], csize, world_size)
     total = sum(numels)
+    built_on_host = any(p.device.type == "cpu" for p in params)
     act = _activations(shape, batch_size, seq_len, activation_checkpointing, wbytes)
     non_model = sum(act.values())
     rows = []
@@ -204,7 +207,8 @@ def plan(
             dev["master+grad+adam"] = optim_dev
         dev_total = sum(dev.values())
         steady_host = sum(host.values())
-        build_host = _HOST_BASE + init_dtype_bytes * total + 4 * csize  # the model as built, one fp32 chunk
+        # the model as built (when on the host), and the fp32 staging of one chunk while chunks are filled
+        build_host = _HOST_BASE + (init_dtype_bytes * total if built_on_host else 0) + 4 * csize
         host_total = max(steady_host, build_host)
         fits = dev_total <= gpu_budget_bytes and (
             host_budget_bytes is None or host_total <= host_budget_bytes

@@ -7,8 +7,10 @@ reads low-precision gradients directly, so there is no host upcast pass). With a
 bucket by bucket through ``adam_update(..., out=pinned working-dtype buffer)``, which writes the new parameters,
 already cast, in the same pass; bucket i's host-to-device copy and all-gather then overlap bucket i+1's CPU step.
 With ``overlap_cpu_step`` each bucket's CPU step starts on a worker thread as soon as its gradient has landed,
-i.e. during backward, and ``step()`` only copies back. Collectives are issued on the main thread only, so every
-rank keeps the same collective order.
+i.e. during backward, and starts its host-to-device copy on a side stream; ``step()`` then only orders the compute
+stream after those copies and all-gathers. Backward reduces the last buckets first, so every copy but the last
+bucket's hides behind the CPU steps still running. Collectives are issued on the main thread only, so every rank
+keeps the same collective order.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class HostOffload:
         self._param_buf: dict[int, torch.Tensor] = {}
         self._landed: dict[int, torch.cuda.Event] = {}
         self._copied_back: dict[int, torch.cuda.Event] = {}
+        self._sent_up: dict[int, torch.Tensor] = {}  # device shards copied up by the worker, not yet gathered
+        self._up_stream = torch.cuda.Stream(zo.device) if self.cuda and self.pool is not None else None
         self._futures: dict[int, Future] = {}
         # buckets whose pinned parameter buffer holds the latest step's output
         self._written: set[int] = set()
@@ -68,7 +72,7 @@ class HostOffload:
                 self._landed[b.index] = event
             b.grad_shard = buf
             if self.pool is not None:
-                self._futures[b.index] = self.pool.submit(self.step_bucket, b)
+                self._futures[b.index] = self.pool.submit(self.step_bucket, b, send_up=True)
             return
         if self.pool is not None:
             raise RuntimeError(
@@ -90,8 +94,9 @@ class HostOffload:
         if event is not None:
             event.synchronize()
 
-    def step_bucket(self, b: Bucket) -> None:
-        """One Adam step of the bucket's master shard, writing the working-dtype copy into a pinned buffer."""
+    def step_bucket(self, b: Bucket, *, send_up: bool = False) -> None:
+        """One Adam step of the bucket's master shard, writing the working-dtype copy into a pinned buffer
+        (``send_up``: and start its copy to the device on the side stream)."""
         self.settle(b)
         done = self._copied_back.pop(b.index, None)
         if done is not None:
@@ -115,9 +120,18 @@ class HostOffload:
             num_threads=self._threads,
         )  # fmt: skip
         self._written.add(b.index)
+        if send_up and self._up_stream is not None:
+            with torch.cuda.stream(self._up_stream):
+                self._sent_up[b.index] = self.device_shard(b)
 
     def device_shard(self, b: Bucket) -> torch.Tensor:
         """The updated shard in the working dtype, on the device (asynchronous from pinned memory)."""
+        sent = self._sent_up.pop(b.index, None)
+        if sent is not None:  # copied up on the side stream by the worker
+            main = torch.cuda.current_stream(self.zo.device)
+            main.wait_event(self._copied_back[b.index])
+            sent.record_stream(main)  # allocated on the side stream, read on this one
+            return sent
         buf = self._buffer(self._param_buf, b, b.dtype)
         if b.index in self._written:
             self._written.discard(b.index)

@@ -120,7 +120,6 @@ class ZeroOptimizer:
         else:
             self.scaler = None
         self._master_device = torch.device("cpu") if config.cpu_offload else self.device
-        self._pin = config.cpu_offload and self.device.type == "cuda"
         self._stream = (
             torch.cuda.Stream(device=self.device)
             if self.device.type == "cuda" and config.overlap_comm
@@ -169,7 +168,8 @@ class ZeroOptimizer:
             view = b.working[s.offset : s.offset + s.numel]
             view.copy_(s.param.detach().reshape(-1))
             s.param.data = view.view(s.shape)
-        master = torch.empty(b.shard, dtype=torch.float32, device=self._master_device, pin_memory=self._pin)
+        # host masters stay in ordinary memory: only the working-dtype transfer buffers cross PCIe
+        master = torch.empty(b.shard, dtype=torch.float32, device=self._master_device)
         master.copy_(b.working[b.lo : b.hi])
         b.master = master
 
