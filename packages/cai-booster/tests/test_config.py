@@ -125,3 +125,12 @@ def test_prefix_is_rejected_with_the_fix() -> None:
     booster = Booster(device="cpu")
     with raises("prefix='x' is not supported; checkpoint file names are fixed, use prefix=None"):
         booster.save_model(None, "/nonexistent", prefix="x")
+
+
+def test_gemini_overlap_host_step_reaches_the_config_and_is_checked() -> None:
+    from cai.booster.plugin import GeminiPlugin
+
+    plugin = GeminiPlugin(precision="bf16", offload_optim_frac=1.0, overlap_host_step=True)
+    assert plugin.config.overlap_host_step and plugin.config.offload_optim_frac == 1.0
+    with raises("overlap_host_step=True"):
+        GeminiPlugin(precision="fp16", offload_optim_frac=1.0, overlap_host_step=True)

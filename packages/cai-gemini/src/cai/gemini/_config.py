@@ -96,7 +96,8 @@ class GeminiConfig:
         shard_param_frac: fraction of chunk memory whose parameters are sharded (1.0 is ZeRO-3, 0.0 keeps every chunk
             gathered, ZeRO-2 style). Static only.
         offload_optim_frac: fraction of chunk memory whose fp32 master weights, gradients and optimizer states live on
-            the host (updated there). Static only.
+            the host (updated there). The last chunks in registration order go first: backward reduces them
+            first, so their host updates have the most backward left to hide behind. Static only.
         offload_param_frac: fraction of chunk memory whose working-precision parameter shards live on the host; needs
             ``shard_param_frac == 1.0``. Static only.
         warmup_non_model_data_ratio: auto: share of the device budget assumed to be non-model data during warm-up.

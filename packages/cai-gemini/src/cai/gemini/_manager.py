@@ -120,7 +120,8 @@ class ChunkManager:
             sharded = _select_first(sizes, cfgp.shard_param_frac)
             keep = [pl[3] or not s for pl, s in zip(plans, sharded)]
             param_host = [p and not k for p, k in zip(_select_first(sizes, cfgp.offload_param_frac), keep)]
-            optim_host = _select_first(sizes, cfgp.offload_optim_frac)
+            # the chunks backward reduces first (the last ones) update on the host while backward goes on
+            optim_host = _select_first(sizes[::-1], cfgp.offload_optim_frac)[::-1]
             if self.world_size == 1:  # one rank: sharding buys nothing unless the shard lives on the host
                 keep = [k or not h for k, h in zip(keep, param_host)]
         for i, (trainable, members, csize, _) in enumerate(plans):

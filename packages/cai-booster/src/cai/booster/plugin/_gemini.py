@@ -39,6 +39,9 @@ class GeminiPlugin(DPPluginBase):
     ``verbose`` are accepted (accumulation always works). Tensor parallelism (``tp_size > 1``, the ``enable_*``
     kernel flags), ``extra_dp_size > 1``, ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False``,
     ``force_outputs_fp32`` and fp8 raise with what to use instead.
+
+    cai's own: ``overlap_host_step=False``: with optimizer chunks on the host, update each one on a worker thread as
+    soon as backward has reduced its gradient (needs ``max_norm=0`` and no fp16; see ``GeminiConfig``).
     """
 
     LORA = False
@@ -86,6 +89,7 @@ class GeminiPlugin(DPPluginBase):
         use_fp8: bool = False,
         verbose: bool = False,
         fp8_communication: bool = False,
+        overlap_host_step: bool = False,
     ) -> None:
         from cai.gemini import ChunkConfig, GeminiConfig, LossScaleConfig
 
@@ -146,6 +150,7 @@ class GeminiPlugin(DPPluginBase):
                 hysteresis=hysteresis,
             ),
             pin_memory=pin_memory or None,
+            overlap_host_step=overlap_host_step,
         )
 
     @property
