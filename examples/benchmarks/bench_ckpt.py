@@ -149,6 +149,7 @@ def main() -> None:
             loads.append(timed(load, device))
             check(state, target, name)
             clean()
+            print(f"{name}: save {saves[-1]:.2f} s, load {loads[-1]:.2f} s", flush=True)
         rows.append({"method": name, "save_s": statistics.median(saves), "load_s": statistics.median(loads)})
 
     # Asynchronous saves: the caller is blocked only while the state is staged in host memory. The first save of
@@ -189,6 +190,7 @@ def main() -> None:
                 load()
                 check(state, target, name)
                 shutil.rmtree(root / sub)
+                print(f"{name}: blocked {b:.2f} s, committed after {t:.2f} s", flush=True)
                 if i == 0:
                     first = b
                 else:

@@ -225,12 +225,13 @@ def main(args: argparse.Namespace) -> None:
     if args.compare and world > 1 and rank == 0:
         print(f"--compare runs the peers at world size 1 only; this run has {world} processes: peers skipped")
     if args.compare and world == 1:
-        offload = args.cpu_offload or args.offload_optim_frac > 0 or args.offload_param_frac > 0
         kw = dict(precision=precision, grad_ckpt=args.grad_checkpoint)
         builders = {
             "eager": lambda: _workloads.eager(config, batch, **kw),
             "compile": lambda: _workloads.eager(config, batch, compile=True, **kw),
-            "fsdp2": lambda: _workloads.fsdp2(config, batch, cpu_offload=offload, **kw),
+            # FSDP2's CPUOffloadPolicy is all or nothing: the peer offloads with --cpu-offload only, not for
+            # Gemini's partial --offload-*-frac
+            "fsdp2": lambda: _workloads.fsdp2(config, batch, cpu_offload=args.cpu_offload, **kw),
             "eager-pure": lambda: _workloads.eager(config, batch, pure=True, **kw),
         }
         for peer in args.peers:
