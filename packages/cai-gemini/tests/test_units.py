@@ -162,3 +162,40 @@ def test_fp16_overflow_skips_step_and_backs_off() -> None:
     gopt.backward(gm.module.loss(gm(ids), labels))
     gopt.step()
     assert gopt.skipped_steps == 1 and not torch.equal(gm.state_dict()["head.weight"], before["head.weight"])
+
+
+def test_bf16_gradient_stays_in_working_precision_and_updates_exactly() -> None:
+    """One micro-batch's gradient is kept in bf16 (no fp32 gradient buffer exists) and the update it produces is
+    bitwise the update from the same gradient in fp32; a second micro-batch moves the sum to fp32."""
+    import copy
+
+    from cai.kernels.optim import adam_update
+
+    model = TinyTransformer().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    masters = {n: p.detach().float().clone() for n, p in ref.named_parameters()}
+    moments = {n: (torch.zeros_like(m), torch.zeros_like(m)) for n, m in masters.items()}
+    cfg = GeminiConfig(precision="bf16", chunk=ChunkConfig(min_chunk_size_m=0.001))
+    gm, gopt = shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg, device="cpu")
+    for step in range(1, 4):
+        ids, labels = make_batch(seed=step)
+        gopt.backward(gm.module.loss(gm(ids), labels))
+        assert all(
+            c.grad32 is None and c.grad_lp.dtype == torch.bfloat16 for c in gm.chunks if c.master is not None
+        )
+        gopt.step()
+        gopt.zero_grad()
+        ref.zero_grad()
+        ref.loss(ref(ids), labels).backward()
+        for n, p in ref.named_parameters():
+            m, v = moments[n]
+            adam_update(masters[n], p.grad.float(), m, v, step=step, lr=1e-2, weight_decay=0.01)
+            p.data.copy_(masters[n])
+    got = gm.state_dict()
+    for n, master in masters.items():
+        assert torch.equal(got[n], master), n
+
+    ids, labels = make_batch(seed=9)
+    for _ in range(2):  # plain accumulation: the second backward folds both into fp32
+        gopt.backward(gm.module.loss(gm(ids), labels))
+    assert all(c.grad_lp is None and c.grad32_valid for c in gm.chunks if c.master is not None)

@@ -140,6 +140,9 @@ class Chunk:
         self.optim_location = DEVICE
         self.grad32: torch.Tensor | None = None  # fp32 accumulated gradient shard, at ``optim_location``
         self.grad32_valid = False
+        # device-optimizer chunks: one synchronised micro-batch's reduced gradient stays in the working precision
+        # (its values exactly; the update reads it as fp32); fp32 only once a second micro-batch is added
+        self.grad_lp: torch.Tensor | None = None
         # host-optimizer chunks: one working-precision host buffer (pinned on CUDA) carries the reduced gradient
         # down and the updated parameters up; the fp32 gradient exists only once a second micro-batch arrives
         self.io: torch.Tensor | None = None
@@ -203,10 +206,7 @@ class Chunk:
 
     def _place_grad_buffers(self) -> None:
         assert self.master is not None
-        if self.optim_location == DEVICE:
-            if self.grad32 is None:
-                self.grad32 = torch.zeros_like(self.master)
-                self.tracker.add(DEVICE, "grad32", self._bytes(self.grad32))
+        if self.optim_location == DEVICE:  # the fp32 gradient is allocated when first needed (``_fold``)
             if self.io is not None:
                 self.tracker.add(HOST, "io", -self._bytes(self.io))
                 _free_pinned(self.io)
@@ -332,7 +332,13 @@ class Chunk:
 
     def _accumulate(self, shard_grad: torch.Tensor) -> None:
         if self.optim_location == DEVICE:
-            self._fold(shard_grad.to(self.master.device))  # type: ignore[union-attr]
+            g = shard_grad.to(self.master.device)  # type: ignore[union-attr]
+            if g.dtype != torch.float32 and not self.grad32_valid and self.grad_lp is None:
+                self.grad_lp = g  # one process: the gradient buffer itself, no copy
+                self.tracker.add(DEVICE, "grad_lp", self._bytes(g))
+                return
+            self._lp_to_grad32()
+            self._fold(g)
             return
         assert self.io is not None
         if self.io_has_grad or shard_grad.dtype != self.io.dtype:
@@ -379,6 +385,12 @@ class Chunk:
             self.grad32.copy_(g)
             self.grad32_valid = True
 
+    def _lp_to_grad32(self) -> None:
+        if self.grad_lp is not None:
+            g, self.grad_lp = self.grad_lp, None
+            self._fold(g)
+            self.tracker.add(DEVICE, "grad_lp", -self._bytes(g))
+
     def _io_to_grad32(self) -> None:
         if self.io_has_grad:
             self.flush_staging()
@@ -393,7 +405,7 @@ class Chunk:
 
     @property
     def has_grad(self) -> bool:
-        return self.grad32_valid or self.io_has_grad
+        return self.grad32_valid or self.io_has_grad or self.grad_lp is not None
 
     def step_grad(self, *, fp32: bool = False) -> torch.Tensor | None:
         """The accumulated gradient shard for the update (the host buffer itself when one micro-batch
@@ -403,10 +415,17 @@ class Chunk:
             self._io_to_grad32()
         if self.io_has_grad:
             return self.io
+        if self.grad_lp is not None and (fp32 or self.grad32_valid):
+            self._lp_to_grad32()
+        if self.grad_lp is not None:
+            return self.grad_lp
         return self.grad32 if self.grad32_valid else None
 
     def zero_grad(self) -> None:
         self.flush_staging()
+        if self.grad_lp is not None:
+            self.tracker.add(DEVICE, "grad_lp", -self._bytes(self.grad_lp))
+            self.grad_lp = None
         self.grad32_valid = False
         self.io_has_grad = False
         self.grads_ready = 0
@@ -474,6 +493,7 @@ class Chunk:
         if self.optim_location == to or self.master is None:
             return states
         self._io_to_grad32()
+        self._lp_to_grad32()
         self._wait_up()
         dev = self.device if to == DEVICE else torch.device("cpu")
         src = self.optim_location

@@ -3,10 +3,10 @@
 [Note: planner model]
 Model data per rank, with P the padded chunk elements, T the trainable part, w the group size and b the working
 precision's bytes: working shard ``b * P / w`` (the whole ``b * P`` when a rank keeps chunks gathered), fp32 master
-and gradient ``8 * T / w`` and Adam moments ``8 * T / w`` on the device, or on the host master and moments plus a
-``b * T / w`` transfer buffer that carries gradients down and parameters up (no fp32 gradient); on the
-device also the gathered chunks in flight (current, prefetched and the one held into backward) and two gradient
-buffers. Non-model data is the activation estimate of a decoder-only transformer (``TransformerShape``): with
+``4 * T / w``, Adam moments ``8 * T / w`` and one micro-batch's gradient ``b * T / w`` in the working precision
+(an fp32 gradient appears only with accumulation), all on the device, or on the host where the gradient's buffer
+also carries the parameters up; on the device also the gathered chunks in flight (current, prefetched and the one
+held into backward) and two gradient buffers. Non-model data is the activation estimate of a decoder-only transformer (``TransformerShape``): with
 checkpointing, each layer's input plus one layer recomputed in backward; without, every layer's saved tensors;
 plus the logits and the loss's fp32 copies, which dominate with large vocabularies. Host peak adds the model as
 built on the host before chunks take over (its largest point), when its parameters are on the host; a model built
@@ -192,9 +192,9 @@ def plan(
         w = world_size
         keep_all = w == 1 and not kw.get("offload_param_frac")
         params = wbytes * padded if keep_all else wbytes * padded // w
-        # device: fp32 master, gradient and two moments; host: the same without the fp32 gradient (one
-        # micro-batch's gradient stays in the working-precision transfer buffer)
-        optim_dev = 16 * trained // w
+        # fp32 master and two moments, and one micro-batch's gradient in the working precision (on the device
+        # as reduced; on the host in the transfer buffer that also carries the parameters up)
+        optim_dev = (12 + wbytes) * trained // w
         optim_host = (12 + wbytes) * trained // w
         in_flight = 0 if keep_all else (2 + max_prefetch) * csize * wbytes
         grad_buffers = 2 * csize * wbytes
