@@ -32,6 +32,24 @@ def test_predicted_model_data_matches_measured() -> None:
         assert shards == row.breakdown.get("host parameter shards", 0), (name, shards, row.breakdown)
 
 
+def test_device_model_data_matches_measured_with_bf16_gradients() -> None:
+    chunk = ChunkConfig(chunk_size=4096, min_chunk_size_m=0)
+    row = plan(TinyTransformer(), 4, 16, GiB, shape=SHAPE, precision="bf16", chunk=chunk).row("no offload")
+    model = TinyTransformer()
+    tracker = MemoryTracker()
+    gm, gopt = shard(
+        model, torch.optim.Adam(model.parameters()), config=row.config, device="cpu", memory=tracker
+    )
+    ids, labels = make_batch()
+    gopt.backward(gm.module.loss(gm(ids), labels))
+    trained = sum(c.master.numel() for c in gm.chunks if c.master is not None)
+    assert tracker.model_bytes("device", "grad_lp") == 2 * trained  # one micro-batch's gradient, in bf16
+    assert tracker.model_bytes("device", "grad32") == 0
+    gopt.step()
+    measured = sum(tracker.model_bytes("device", k) for k in ("master", "optim"))
+    assert measured == row.breakdown["master+adam"], (measured, row.breakdown)
+
+
 def test_table_prints_and_recommends_fastest_fit() -> None:
     p = plan(TinyTransformer(), 4, 16, GiB, shape=SHAPE)
     assert p.recommended is not None and p.recommended.name == "no offload"

@@ -6,11 +6,14 @@ precision's bytes: working shard ``b * P / w`` (the whole ``b * P`` when a rank 
 ``4 * T / w``, Adam moments ``8 * T / w`` and one micro-batch's gradient ``b * T / w`` in the working precision
 (an fp32 gradient appears only with accumulation), all on the device, or on the host where the gradient's buffer
 also carries the parameters up; on the device also the gathered chunks in flight (current, prefetched and the one
-held into backward) and two gradient buffers. Non-model data is the activation estimate of a decoder-only transformer (``TransformerShape``): with
-checkpointing, each layer's input plus one layer recomputed in backward; without, every layer's saved tensors;
-plus the logits and the loss's fp32 copies, which dominate with large vocabularies. Host peak adds the model as
-built on the host before chunks take over (its largest point), when its parameters are on the host; a model built
-on the GPU or on the meta device has no such point.
+held into backward) and two gradient buffers. Non-model data is the activation estimate of a decoder-only
+transformer (``TransformerShape``): with checkpointing, each layer's input plus one layer recomputed in backward;
+without, every layer's saved tensors; plus the logits, their fp32 copies and gradient at the start of backward,
+which dominate with large vocabularies. Those are freed before backward has produced most gradients, so the
+device peak counts the larger of the two, not their sum (the loss's bytes per logit were fitted to peaks measured
+on an H200: examples/benchmarks/RESULTS.md). Host peak adds the model as built on the host before chunks take
+over (its largest point), when its parameters are on the host; a model built on the GPU or on the meta device has
+no such point.
 """
 
 from __future__ import annotations
@@ -111,15 +114,12 @@ def _activations(s: TransformerShape, batch: int, seq: int, ckpt: bool, wbytes: 
     kv = s.hidden * s.kv_heads // s.heads
     # tensors a decoder layer saves for backward, per token (flash attention: no score matrix)
     per_layer = tokens * (wbytes * (6 * s.hidden + 2 * kv + 4 * s.ffn) + 4 * 4)
-    logits = tokens * s.vocab * (wbytes + 4 + 4)  # working-precision logits, fp32 copy, fp32 log-softmax
-    loss_backward = tokens * s.vocab * 4  # gradient of the fp32 logits
+    # at the start of backward: the working-precision logits, their fp32 copy and log-softmax, and the logits'
+    # gradient (these dominate with large vocabularies)
+    loss = tokens * s.vocab * (2 * wbytes + 8)
     if ckpt:
-        saved = s.layers * tokens * s.hidden * wbytes
-        body = max(logits + loss_backward, 2 * per_layer)
-    else:
-        saved = s.layers * per_layer
-        body = logits + loss_backward
-    return {"saved activations": saved, "peak transient": body, "workspace": _WORKSPACE}
+        return {"saved": s.layers * tokens * s.hidden * wbytes, "loss": loss, "layer": 2 * per_layer}
+    return {"saved": s.layers * per_layer, "loss": loss, "layer": 0}
 
 
 def plan(
@@ -185,26 +185,32 @@ def plan(
     total = sum(numels)
     built_on_host = any(p.device.type == "cpu" for p in params)
     act = _activations(shape, batch_size, seq_len, activation_checkpointing, wbytes)
-    non_model = sum(act.values())
     rows = []
     for name, kw in PLACEMENTS.items():
         c = replace(cfg, chunk=chunk, **kw)
         w = world_size
         keep_all = w == 1 and not kw.get("offload_param_frac")
         params = wbytes * padded if keep_all else wbytes * padded // w
-        # fp32 master and two moments, and one micro-batch's gradient in the working precision (on the device
-        # as reduced; on the host in the transfer buffer that also carries the parameters up)
-        optim_dev = (12 + wbytes) * trained // w
+        # fp32 master and two moments; one micro-batch's gradient in the working precision (on the device as
+        # reduced; on the host in the transfer buffer that also carries the parameters up)
         optim_host = (12 + wbytes) * trained // w
+        grads_dev = 0 if kw.get("offload_optim_frac") else wbytes * trained // w
         in_flight = 0 if keep_all else (2 + max_prefetch) * csize * wbytes
         grad_buffers = 2 * csize * wbytes
-        dev = {"activations": non_model, "gathered chunks": in_flight, "gradient buffers": grad_buffers}
+        dev = {
+            "saved activations": act["saved"],
+            "workspace": _WORKSPACE,
+            # the loss's tensors are gone before backward has produced many gradients: the larger one counts
+            "loss or gradients": max(act["loss"], grads_dev + act["layer"]),
+            "gathered chunks": in_flight,
+            "gradient buffers": grad_buffers,
+        }
         host = {"process": _HOST_BASE}
         (host if kw.get("offload_param_frac") else dev)["parameter shards"] = params
         if kw.get("offload_optim_frac"):
             host["master+adam+transfer"] = optim_host
         else:
-            dev["master+grad+adam"] = optim_dev
+            dev["master+adam"] = 12 * trained // w
         dev_total = sum(dev.values())
         steady_host = sum(host.values())
         # the model as built (when on the host), and the fp32 staging of one chunk while chunks are filled
