@@ -189,3 +189,46 @@ def test_update_master_params_after_loading_weights_into_the_model() -> None:
     assert _train(model, opt, range(3)) == _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), range(3))
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("window_bytes", [1 << 30, 4096], ids=["one-window", "many-windows"])
+def test_bf16_gradient_shard_stays_bf16_and_steps_exactly(monkeypatch, window_bytes: int) -> None:
+    """A bf16 model's reduced gradient is kept in bf16 (half an fp32 gradient's memory) and the update equals, bit
+    for bit, AdamW on fp32 masters with the same gradient in fp32, also when the step casts window by window."""
+    from cai.mesh.testing import TinyTransformer, make_batch
+    from cai.zero import _optimizer
+
+    monkeypatch.setattr(_optimizer, "_CAST_WINDOW_BYTES", window_bytes)
+    torch.manual_seed(0)
+    model = TinyTransformer().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    masters = [p.detach().float().clone() for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
+    opt = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        model=model,
+        config=ZeroConfig(stage=2, bucket_size_mb=8192 * 2 / 2**20),
+    )
+    assert len(opt.buckets) > 2
+    for step in range(3):
+        ids, labels = make_batch(seed=step)
+        opt.backward(TinyTransformer.loss(model(ids), labels))
+        assert {b.grad_shard.dtype for b in opt.buckets} == {torch.bfloat16}
+        opt.step()
+        opt.zero_grad()
+        TinyTransformer.loss(ref(ids), labels).backward()
+        for master, p in zip(masters, ref.parameters()):
+            master.grad = p.grad.float()
+            p.grad = None
+        ref_opt.step()
+        with torch.no_grad():
+            for master, p in zip(masters, ref.parameters()):
+                p.copy_(master)
+    got = {n: s.tensor for n, s in opt.model_sharded_state_dict().items()}
+    for (name, _), master in zip(ref.named_parameters(), masters):
+        assert torch.equal(got[name], master.reshape(-1)), name
+
+    ids, labels = make_batch(seed=7)
+    for _ in range(2):  # a second micro-step sums in fp32
+        opt.backward(TinyTransformer.loss(model(ids), labels))
+    assert {b.grad_shard.dtype for b in opt.buckets} == {torch.float32}

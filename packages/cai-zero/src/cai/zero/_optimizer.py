@@ -21,6 +21,8 @@ from cai.zero._offload import HostOffload
 
 logger = logging.getLogger("cai.zero")
 
+_CAST_WINDOW_BYTES = 1 << 30  # fp32 gradient copies alive at once in a step with low-precision gradients
+
 NamedParams = nn.Module | Iterable[tuple[str, nn.Parameter]]
 
 
@@ -64,6 +66,10 @@ class ZeroOptimizer:
         buckets (full size, also for stage 2) and the next backward outside it, or ``step()``, reduces them once.
         Working ``param.grad`` is None after backward: gradients live in the buckets and master shards; use
         :meth:`clip_grad_norm` rather than ``torch.nn.utils.clip_grad_norm_``.
+        One reduction's gradient shard stays in the dtype it was reduced in (bf16 for bf16 parameters unless
+        ``comm_dtype=torch.float32``): its values exactly, at half the memory of fp32. A second micro-step sums in
+        fp32. ``step()`` then casts the gradients to fp32 about 1 GiB at a time and calls the wrapped optimizer's
+        ``step()`` once per such window (each parameter is still updated once; step hooks run per window).
     """
 
     def __init__(
@@ -284,20 +290,25 @@ class ZeroOptimizer:
                     out = grad[b.lo : b.hi]
             else:
                 out = grad
-            self._add_master_grad(b, out)
+            self._add_master_grad(b, out, owned=out is grad or self.config.stage == 2)
         if stream is not None:
             grad.record_stream(stream)
             out.record_stream(stream)
 
-    def _add_master_grad(self, b: Bucket, shard: torch.Tensor) -> None:
+    def _add_master_grad(self, b: Bucket, shard: torch.Tensor, *, owned: bool = True) -> None:
+        """Add one reduction's gradient shard; ``owned``: nothing else uses ``shard``'s memory (not a view)."""
         inv = 1.0 / self.scaler.scale if self.scaler else 1.0
         if self._host is not None:
             self._host.land(b, shard, inv)
+        elif b.grad_shard is None and inv == 1.0:
+            # one reduction's gradient, kept in the dtype it was reduced in: its values exactly, at half the memory
+            # of fp32 for bf16 (a view into an all-reduced bucket is copied, so the bucket is not kept alive)
+            b.grad_shard = shard if owned else shard.clone()
         elif b.grad_shard is None:
-            b.grad_shard = shard.to(dtype=torch.float32, copy=True)
-            if inv != 1.0:
-                b.grad_shard.mul_(inv)
+            b.grad_shard = shard.to(dtype=torch.float32, copy=True).mul_(inv)
         else:
+            if b.grad_shard.dtype != torch.float32:  # a second micro-step: sum in fp32
+                b.grad_shard = b.grad_shard.float()
             b.grad_shard.add_(shard, alpha=inv)
 
     def _wait_comm(self) -> None:
@@ -413,16 +424,37 @@ class ZeroOptimizer:
         if self._host is not None:
             self._host.step()  # steps and gathers bucket by bucket
         else:
-            for b in self.buckets:
-                b.master.grad = b.grad_shard  # fp32 here (see HostOffload.land for the host path)
-            self.optim.step()
-            for b in self.buckets:
-                b.master.grad = None
+            self._device_step()
             self._gather_all()
         self._step_count += 1
         for b in self.buckets:
             b.grad_shard = None
             b.reduced_in_window = 0
+
+    def _device_step(self) -> None:
+        """The wrapped optimizer's step on the master shards. Gradients kept in a lower precision are cast to fp32
+        a window of buckets at a time (one ``optimizer.step()`` per window), so an fp32 copy of every gradient
+        never exists at once; the optimizer updates each parameter once per step either way (elementwise
+        optimizers step exactly the parameters that have a gradient)."""
+        window: list[Bucket] = []
+        cast = 0
+        for b in self.buckets:
+            g = b.grad_shard
+            if g is not None and g.dtype != b.master.dtype:
+                g = g.to(b.master.dtype)
+                cast += g.numel() * g.element_size()
+            b.master.grad = g
+            window.append(b)
+            if cast >= _CAST_WINDOW_BYTES:
+                self._step_window(window)
+                window, cast = [], 0
+        self._step_window(window)
+
+    def _step_window(self, window: list[Bucket]) -> None:
+        if any(b.master.grad is not None for b in window):
+            self.optim.step()
+        for b in window:
+            b.master.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: master shards, buckets (including no_sync accumulation) and working params."""
