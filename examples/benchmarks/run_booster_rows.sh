@@ -11,12 +11,11 @@ case "${1:-1b}" in
     python examples/benchmarks/benchmark.py -c 1b -b 8 -l 2048 -s 10 -i 3 \
       -p zero2,zero1,ddp,fsdp,gemini --compare --peers eager,compile,fsdp2 ;;
   8b)
-    # 8B at world 1. Gemini keeps one micro-batch's gradient in bf16 (16 bytes a parameter with the fp32 master and
-    # Adam moments, as FSDP2's fp32 parameters, gradients and moments), so it fits without offload.
-    # LowLevelZero still keeps an fp32 gradient shard (18 bytes a parameter): it does not fit here. At 130 of the
-    # 139 GiB, the allocator's expandable segments avoid fragmentation (without them Gemini ran out at 125.8 GiB).
+    # 8B at world 1: one micro-batch's gradient stays in bf16 in both plugins (16 bytes a parameter with the fp32
+    # master and Adam moments, as FSDP2's fp32 parameters, gradients and moments), so both fit without offload.
+    # At ~130 of the 139 GiB, the allocator's expandable segments avoid fragmentation.
     PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
     python examples/benchmarks/benchmark.py -c 8b -b 2 -l 2048 -g -s 6 -i 2 --lazy \
-      -p gemini --compare --peers fsdp2 ;;
+      -p zero2,gemini --compare --peers fsdp2 ;;
   *) echo "usage: $0 1b|8b" >&2; exit 2 ;;
 esac
