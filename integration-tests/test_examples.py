@@ -78,6 +78,24 @@ def test_benchmark_tiny_with_peers_prints_one_table_and_json(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+def test_benchmark_on_two_ranks_shards_the_fsdp2_peer_too(tmp_path: Path) -> None:
+    out = _run(
+        [str(EXAMPLES / "benchmarks" / "benchmark.py"), "-c", "tiny", "-p", "zero2", "-b", "2", "-l", "32",
+         "-s", "2", "-i", "1", "--no-kernels", "--nproc", "2", "--device", "cpu", "--compare",
+         "--peers", "eager,fsdp2"],
+        timeout=300,
+        env={"OUT": str(tmp_path)},
+    )  # fmt: skip
+    assert "--compare on 2 processes: eager run at world size 1 only, skipped" in out, out
+    data = json.loads((tmp_path / "benchmark_tiny_zero2_w2.json").read_text())
+    assert data["args"]["world_size"] == 2
+    assert [(r["name"].split(" (")[0], r["status"]) for r in data["rows"]] == [
+        ("FSDP2 world 2", "ok"),
+        ("cai LowLevelZero-2", "ok"),
+    ]
+
+
+@pytest.mark.slow
 def test_finetune_hf_lora_adapter_reloads_with_peft(tmp_path: Path) -> None:
     """A local HF directory with weights, LoRA under ZeRO-2, the adapter saved and reloaded onto the base."""
     import torch
@@ -188,3 +206,24 @@ def test_exact_match_decodes_greedily() -> None:
     task = DigitTask(min_digits=2, max_digits=5)
     assert exact_match(_Oracle(), task, num_samples=40, seed=1, device="cpu") == 1.0
     assert exact_match(_Oracle(wrong=True), task, num_samples=40, seed=1, device="cpu") == 0.0
+
+
+def test_overlap_analysis_counts_exposed_collective_time() -> None:
+    sys.path.insert(0, str(EXAMPLES / "benchmarks"))
+    from profile_overlap import analyse, report
+
+    kernel = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    trace = {
+        "traceEvents": [
+            kernel("ncclDevKernel_ReduceScatter_Sum_bf16", 0, 100),  # compute covers 0-60 of it
+            kernel("sm90_xmma_gemm", 0, 40),
+            kernel("flash_fwd_kernel", 30, 30),  # overlaps the gemm: the union is 0-60
+            kernel("ncclDevKernel_AllGather", 200, 50),  # nothing runs beside it: exposed
+            {"cat": "cpu_op", "name": "aten::mm", "ts": 200, "dur": 50},  # host events do not count
+        ]
+    }
+    o = analyse(trace)
+    assert (o.comm_us, o.hidden_us, o.compute_us) == (150.0, 60.0, 60.0)
+    assert o.exposed_fraction == pytest.approx(0.6)
+    assert "exposed 60.0%" in report(o)
+    assert "nothing to measure" in report(analyse({"traceEvents": []}))

@@ -3,11 +3,16 @@
 
 Each case runs on ``dp`` gloo ranks; every rank also trains the one-process reference on the whole global batch
 (cheap at this size), so the comparison happens inside the worker and only the verdict travels back.
+
+``CAI_TEST_DEVICE=cuda`` runs the same matrix with NCCL, one GPU per rank, on 2, 4 and 8 ranks (those the machine
+has GPUs for), each rank's reference on its own GPU, with the same tolerances:
+``CAI_TEST_DEVICE=cuda python -m pytest integration-tests/test_parity_matrix.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -38,8 +43,12 @@ class Case:
         return f"{self.plugin}-dp{self.dp}-{self.mode}"
 
 
+DEVICE = os.environ.get("CAI_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"CAI_TEST_DEVICE={DEVICE!r}; use 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)")
+DP_SIZES = (1, 2, 4) if DEVICE == "cpu" else (2, 4, 8)
 CASES = [
-    Case(plugin=p, dp=dp, mode=m) for p in PLUGINS for dp in (1, 2, 4) for m in ("plain", "accum", "clip")
+    Case(plugin=p, dp=dp, mode=m) for p in PLUGINS for dp in DP_SIZES for m in ("plain", "accum", "clip")
 ]
 
 
@@ -59,12 +68,12 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
-def reference_run(mode: str, micro: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = tiny_llama()
+def reference_run(mode: str, micro: int, device: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = tiny_llama().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        ids = batch(step)
+        ids = batch(step).to(device)
         total = 0.0
         for chunk in ids.chunk(micro):
             loss = lm_loss(model(chunk).logits, chunk) / micro
@@ -82,16 +91,19 @@ def boosted_run(case: Case) -> dict:
     from cai.booster import Booster
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on both sides of the comparison
     micro = 2 if case.mode == "accum" else 1
     model = tiny_llama()
-    ref_losses, ref_params = reference_run(case.mode, micro)
+    ref_losses, ref_params = reference_run(case.mode, micro, device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    booster = Booster(plugin=make_plugin(case.plugin), device="cpu")
+    booster = Booster(plugin=make_plugin(case.plugin), device=device)
     model, opt, *_ = booster.boost(model, opt)
     losses = []
     for step in range(STEPS):
-        ids = batch(step).chunk(world)[rank]
-        total = torch.zeros(())
+        ids = batch(step).chunk(world)[rank].to(device)
+        total = torch.zeros((), device=device)
         chunks = ids.chunk(micro)
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
@@ -124,5 +136,8 @@ def boosted_run(case: Case) -> dict:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_parity(case: Case) -> None:
-    results = run_distributed(boosted_run, case.dp, case, timeout=180)
+    if DEVICE == "cuda" and torch.cuda.device_count() < case.dp:
+        pytest.skip(f"needs {case.dp} GPUs, this machine has {torch.cuda.device_count()}")
+    backend = "nccl" if DEVICE == "cuda" else "gloo"
+    results = run_distributed(boosted_run, case.dp, case, timeout=180, backend=backend)
     assert len({round(r["loss"], 12) for r in results}) == 1

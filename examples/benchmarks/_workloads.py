@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from transformers import LlamaForCausalLM
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -115,7 +116,10 @@ def fsdp2(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, cpu_o
         release()
 
     offload = ", CPUOffloadPolicy" if cpu_offload else ""
-    return Workload(name=f"FSDP2 world 1 ({precision} compute, fp32 master{offload})", step=step, close=close)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return Workload(
+        name=f"FSDP2 world {world} ({precision} compute, fp32 master{offload})", step=step, close=close
+    )
 
 
 def cai(

@@ -4,12 +4,12 @@ plain PyTorch eager, torch.compile and FSDP2 in the same process (``--compare``)
 
 Prints one markdown table: tokens/s per GPU, MFU (6N + 12 L h s over 989 TFLOP/s), Colossal-AI's two TFLOPS
 figures (Megatron-style with recomputation, and 2 (3 + ckpt) N per token), peak memory, and the ratio of each
-row's tokens/s to each peer's. Writes ``$OUT/benchmark_<config>_<plugins>.json`` when ``OUT`` is set.
+row's tokens/s to each peer's. Writes ``$OUT/benchmark_<config>_<plugins>[_w<world>].json`` when ``OUT`` is set.
 
 Examples::
 
     python examples/benchmarks/benchmark.py -c 1b -p zero2 -b 8 -l 2048 --compare           # one H200
-    torchrun --nproc_per_node 1 examples/benchmarks/benchmark.py -c 8b -p zero2 -b 2 -g --compare --peers fsdp2
+    torchrun --nproc_per_node 8 examples/benchmarks/benchmark.py -c 8b -p zero2 -b 2 -g --compare --peers fsdp2
     python examples/benchmarks/benchmark.py -c tiny -b 2 -l 64 -s 3 -i 1 --compare         # CPU smoke
 
 Random weights, random tokens (never all zeros), labels = inputs. ``-b`` is the batch per GPU.
@@ -79,13 +79,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-param-frac", "--shard_param_frac", type=float, default=1.0, help="Gemini")
     p.add_argument("--offload-optim-frac", "--offload_optim_frac", type=float, default=0.0, help="Gemini")
     p.add_argument("--offload-param-frac", "--offload_param_frac", type=float, default=0.0, help="Gemini")
-    p.add_argument("--compare", action="store_true", help="also time the peers (world size 1 only)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also time the peers (FSDP2 on every rank; the others at world 1)",
+    )
     p.add_argument(
         "--peers", default="eager,compile,fsdp2", help=f"which peers --compare runs (from {','.join(PEERS)})"
     )
     p.add_argument("--no-cai", action="store_true", help="time the peers only")
     p.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS / 1e12, help="MFU denominator per GPU")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--nproc", type=int, default=1, help="processes to spawn here when not under torchrun (one per GPU)"
+    )
     args = p.parse_args(argv)
     args.plugins = [f"zero{args.zero or 2}" if x == "zero" else x for x in args.plugin.split(",") if x]
     bad = [x for x in args.plugins if x not in PLUGINS]
@@ -222,9 +229,13 @@ def main(args: argparse.Namespace) -> None:
     batch = torch.randint(1, config.vocab_size, (args.batch_size, args.max_length), generator=gen).to(device)
 
     peer_rows: list[Row] = []
-    if args.compare and world > 1 and rank == 0:
-        print(f"--compare runs the peers at world size 1 only; this run has {world} processes: peers skipped")
-    if args.compare and world == 1:
+    peers = list(args.peers) if args.compare else []
+    if world > 1:  # eager and torch.compile are one-process baselines; FSDP2 shards over every rank
+        single = [p for p in peers if p != "fsdp2"]
+        if single and rank == 0:
+            print(f"--compare on {world} processes: {', '.join(single)} run at world size 1 only, skipped")
+        peers = [p for p in peers if p == "fsdp2"]
+    if peers:
         kw = dict(precision=precision, grad_ckpt=args.grad_checkpoint)
         builders = {
             "eager": lambda: _workloads.eager(config, batch, **kw),
@@ -234,7 +245,7 @@ def main(args: argparse.Namespace) -> None:
             "fsdp2": lambda: _workloads.fsdp2(config, batch, cpu_offload=args.cpu_offload, **kw),
             "eager-pure": lambda: _workloads.eager(config, batch, pure=True, **kw),
         }
-        for peer in args.peers:
+        for peer in peers:
             peer_rows.append(measure(builders[peer], args=args, shape=shape, device=device, label=peer))
     rows = list(peer_rows)
     for choice in [] if args.no_cai else choices:
@@ -254,7 +265,8 @@ def main(args: argparse.Namespace) -> None:
         print(table(rows, [r for r in peer_rows if r.status == "ok"]), flush=True)
         out = os.environ.get("OUT")
         if out:
-            path = Path(out) / f"benchmark_{Path(args.config).name}_{'-'.join(args.plugins)}.json"
+            ranks = f"_w{world}" if world > 1 else ""
+            path = Path(out) / f"benchmark_{Path(args.config).name}_{'-'.join(args.plugins)}{ranks}.json"
             meta = {k: v for k, v in vars(args).items()}
             meta.update(precision=precision, world_size=world, device=gpu, num_params=shape.num_params)
             path.write_text(json.dumps({"args": meta, "rows": [asdict(r) for r in rows]}, indent=2))
@@ -267,4 +279,4 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     arguments = parse_args()
-    run(main, arguments, nproc=1)
+    run(main, arguments, nproc=arguments.nproc)

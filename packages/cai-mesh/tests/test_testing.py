@@ -149,3 +149,23 @@ def _tiny_step(i: int) -> float:
 @pytest.mark.parametrize("i", range(50))
 def test_fifty_four_rank_tests(i):
     assert run_distributed(_tiny_step, 4, i) == [4.0 * (4 * i + 6)] * 4
+
+
+def _backend_name() -> str:
+    return dist.get_backend()
+
+
+def test_backend_is_checked_and_passed_to_the_workers():
+    assert run_distributed(_backend_name, 2, backend="gloo") == ["gloo", "gloo"]
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        run_distributed(_backend_name, 2, backend="mpi")
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match="needs 64 GPUs"):
+            run_distributed(_backend_name, 64, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_ranks_each_get_their_gpu():
+    world = min(torch.cuda.device_count(), 2)
+    assert run_distributed(_backend_name, world, backend="nccl") == ["nccl"] * world

@@ -52,6 +52,7 @@ class _Task:
     key: str
     seed: int
     timeout: float
+    backend: str = "gloo"
 
 
 def _import_by_reference(module: str, file: str | None) -> types.ModuleType:
@@ -110,8 +111,10 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results
                 fn = _resolve(task)
                 args, kwargs = pickle.loads(task.payload)
                 store.set_timeout(timedelta(seconds=max(task.timeout, 1.0)))
+                if task.backend == "nccl":
+                    torch.cuda.set_device(rank)  # one GPU per rank, as torchrun's LOCAL_RANK would give
                 dist.init_process_group(
-                    "gloo",
+                    task.backend,
                     store=dist.PrefixStore(task.key, store),
                     rank=rank,
                     world_size=world_size,
@@ -240,9 +243,18 @@ atexit.register(shutdown_pools)
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, seed: int = 1234, **kwargs: Any
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    seed: int = 1234,
+    backend: str = "gloo",
+    **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return each rank's result, by rank.
+
+    ``backend="nccl"`` runs the ranks on GPUs instead, rank r on ``cuda:r`` (the same pooled workers; the machine
+    needs ``world_size`` GPUs).
 
     ``fn`` must be a module-level function (see [Note: test functions travel by reference]); arguments and
     results must pickle. Each call gets a fresh default process group and RNGs seeded with ``seed`` on every
@@ -261,6 +273,18 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(
+            f"run_distributed: backend {backend!r}; use 'gloo' (CPU) or 'nccl' (one GPU per rank)"
+        )
+    if backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"run_distributed: backend='nccl' on {world_size} ranks needs {world_size} GPUs; "
+                f"this machine has {torch.cuda.device_count()}"
+            )
     module = sys.modules.get(fn.__module__)
     task = _Task(
         module=fn.__module__,
@@ -270,6 +294,7 @@ def run_distributed(
         key=f"task{next(_TASK_IDS)}/",
         seed=seed,
         timeout=timeout,
+        backend=backend,
     )
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive():
