@@ -262,32 +262,18 @@ def largest_shape(budget_gib: float, host_gib: float, batch: int, seq: int) -> t
 def rows_for(mode: str, tiny: bool) -> list[Row]:
     shape, b, s = (SHAPE_TINY, 2, 64) if tiny else (SHAPE_3B, 4, 2048)
     rows: list[Row] = []
+
+    def row(name: str, system: str, offload: str, **kw) -> Row:
+        return Row(name=name, system=system, offload=offload, shape=shape, batch=b, seq=s, **kw)
+
     if mode in ("nooffload", "all"):
-        rows += [Row(name="fsdp2", system="fsdp2", offload="none", shape=shape, batch=b, seq=s)]
-        rows += [Row(name="gemini", system="gemini", offload="none", shape=shape, batch=b, seq=s)]
+        rows += [row("fsdp2", "fsdp2", "none"), row("gemini", "gemini", "none")]
     if mode in ("offload", "all"):
         rows += [
-            Row(
-                name="fsdp2-cpu-offload",
-                system="fsdp2",
-                offload="cpu-offload-policy",
-                shape=shape,
-                batch=b,
-                seq=s,
-            )
-        ]
-        rows += [
-            Row(name="gemini-offload-optim", system="gemini", offload="optim", shape=shape, batch=b, seq=s),
+            row("fsdp2-cpu-offload", "fsdp2", "cpu-offload-policy"),
+            row("gemini-offload-optim", "gemini", "optim"),
             # three quarters of the optimizer on the host (the last chunks), the rest updated on the device
-            Row(
-                name="gemini-offload-optim-0.75",
-                system="gemini",
-                offload="optim",
-                shape=shape,
-                batch=b,
-                seq=s,
-                optim_frac=0.75,
-            ),
+            row("gemini-offload-optim-0.75", "gemini", "optim", optim_frac=0.75),
         ]
     if mode in ("largest", "all"):
         if tiny:

@@ -11,18 +11,21 @@ SHAPE = TransformerShape(hidden=32, layers=2, ffn=128, vocab=64, heads=4, kv_hea
 GiB = 1024**3
 
 
+def _train_one_backward(config: GeminiConfig):
+    model = TinyTransformer()
+    tracker = MemoryTracker()
+    gm, gopt = shard(model, torch.optim.Adam(model.parameters()), config=config, device="cpu", memory=tracker)
+    ids, labels = make_batch()
+    gopt.backward(gm.module.loss(gm(ids), labels))
+    return gm, gopt, tracker
+
+
 def test_predicted_model_data_matches_measured() -> None:
     chunk = ChunkConfig(chunk_size=4096, min_chunk_size_m=0)
     p = plan(TinyTransformer(), 4, 16, GiB, shape=SHAPE, precision="fp32", chunk=chunk)
     for name in ("optimizer on host", "optimizer+params on host"):
         row = p.row(name)
-        model = TinyTransformer()
-        tracker = MemoryTracker()
-        gm, gopt = shard(
-            model, torch.optim.Adam(model.parameters()), config=row.config, device="cpu", memory=tracker
-        )
-        ids, labels = make_batch()
-        gopt.backward(gm.module.loss(gm(ids), labels))
+        _, gopt, tracker = _train_one_backward(row.config)
         gopt.step()
         measured = sum(tracker.model_bytes("host", k) for k in ("master", "optim", "grad32", "io"))
         assert measured == row.breakdown["host master+adam+transfer"], (name, measured, row.breakdown)
@@ -35,13 +38,7 @@ def test_predicted_model_data_matches_measured() -> None:
 def test_device_model_data_matches_measured_with_bf16_gradients() -> None:
     chunk = ChunkConfig(chunk_size=4096, min_chunk_size_m=0)
     row = plan(TinyTransformer(), 4, 16, GiB, shape=SHAPE, precision="bf16", chunk=chunk).row("no offload")
-    model = TinyTransformer()
-    tracker = MemoryTracker()
-    gm, gopt = shard(
-        model, torch.optim.Adam(model.parameters()), config=row.config, device="cpu", memory=tracker
-    )
-    ids, labels = make_batch()
-    gopt.backward(gm.module.loss(gm(ids), labels))
+    gm, gopt, tracker = _train_one_backward(row.config)
     trained = sum(c.master.numel() for c in gm.chunks if c.master is not None)
     assert tracker.model_bytes("device", "grad_lp") == 2 * trained  # one micro-batch's gradient, in bf16
     assert tracker.model_bytes("device", "grad32") == 0
