@@ -243,7 +243,9 @@ def main() -> None:
         + ")"
     )
 
-    out = Path(os.environ.get("OUT", "."))
+    if not os.environ.get("OUT"):
+        return
+    out = Path(os.environ["OUT"])
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "config": cfg,
