@@ -199,3 +199,21 @@ def test_bf16_gradient_stays_in_working_precision_and_updates_exactly() -> None:
     for _ in range(2):  # plain accumulation: the second backward folds both into fp32
         gopt.backward(gm.module.loss(gm(ids), labels))
     assert all(c.grad_lp is None and c.grad32_valid for c in gm.chunks if c.master is not None)
+
+
+def test_model_and_optimizer_are_freed_with_their_last_reference() -> None:
+    import gc
+    import weakref
+
+    model = TinyTransformer()
+    cfg = GeminiConfig(
+        offload_optim_frac=1.0, overlap_host_step=True, chunk=ChunkConfig(min_chunk_size_m=0.001)
+    )
+    gm, gopt = shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg, device="cpu")
+    ids, labels = make_batch()
+    gopt.backward(gm.module.loss(gm(ids), labels))
+    gopt.step()
+    refs = [weakref.ref(gm), weakref.ref(gopt), weakref.ref(gm.chunks[0].master)]
+    del gm, gopt, model  # the wrapped module needs its GeminiModel (its hooks gather the chunks): both go
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]  # the parameters' hooks did not keep the chunks alive

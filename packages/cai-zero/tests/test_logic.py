@@ -232,3 +232,24 @@ def test_bf16_gradient_shard_stays_bf16_and_steps_exactly(monkeypatch, window_by
     for _ in range(2):  # a second micro-step sums in fp32
         opt.backward(TinyTransformer.loss(model(ids), labels))
     assert {b.grad_shard.dtype for b in opt.buckets} == {torch.float32}
+
+
+def test_optimizer_is_freed_with_its_last_reference_and_unhooks_the_model() -> None:
+    import gc
+    import weakref
+
+    from cai.mesh.testing import TinyTransformer, make_batch
+
+    model = TinyTransformer()
+    opt = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, config=ZeroConfig(stage=2)
+    )
+    ids, labels = make_batch()
+    opt.backward(TinyTransformer.loss(model(ids), labels))
+    opt.step()
+    refs = [weakref.ref(opt), weakref.ref(opt.buckets[0].master)]
+    del opt
+    gc.collect()
+    assert [r() for r in refs] == [None, None]  # the parameters' hooks did not keep it alive
+    TinyTransformer.loss(model(ids), labels).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # plain autograd again

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,17 @@ from cai.gemini._state import gather_full, iter_pieces, source_shard
 from cai.mesh import LocalShard, ShardSpec, all_gather_into_tensor
 
 __all__ = ["GeminiModel"]
+
+
+def _grad_hook(ref: weakref.ref, param: torch.Tensor) -> None:
+    model = ref()
+    if model is not None:
+        model._grad_hook(param)
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _in_backward() -> bool:
@@ -108,9 +120,16 @@ class GeminiModel(nn.Module):
             self._handles.append(m.register_forward_hook(self._post_forward))
         self._handles.append(module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         self._handles.append(module.register_forward_hook(self._root_post_forward))
-        for _, p in named:
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+        # the parameters' hooks hold this model weakly (see [Note: hooks hold the optimizer weakly] in cai-zero):
+        # a strong reference from a tensor hook would keep every chunk alive as long as the parameters live
+        ref = weakref.ref(self)
+        grad_hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref))
+            for _, p in named
+            if p.requires_grad
+        ]
+        self._handles += grad_hooks
+        weakref.finalize(self, _remove_hooks, grad_hooks)
 
     # ---- forward ------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

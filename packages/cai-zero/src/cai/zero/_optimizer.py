@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -24,6 +25,18 @@ logger = logging.getLogger("cai.zero")
 _CAST_WINDOW_BYTES = 1 << 30  # fp32 gradient copies alive at once in a step with low-precision gradients
 
 NamedParams = nn.Module | Iterable[tuple[str, nn.Parameter]]
+
+
+def _on_grad(ref: weakref.ref, bucket: int, slot: int, p: nn.Parameter) -> None:
+    zo = ref()
+    if zo is not None:
+        b = zo.buckets[bucket]
+        zo._on_grad(b, b.slots[slot], p)
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _named_parameters(model: NamedParams) -> dict[int, str]:
@@ -154,11 +167,17 @@ class ZeroOptimizer:
         self._backward_ends = 0
         self._next_bucket = 0
         self._step_count = 0
+        # [Note: hooks hold the optimizer weakly] a tensor hook that referenced the optimizer would keep it (its
+        # master shards and optimizer state) alive as long as the parameters live: the garbage collector cannot
+        # see through autograd's C++ references. The hooks look it up through a weak reference instead, and are
+        # removed when it is collected.
+        ref = weakref.ref(self)
         self._hooks = [
-            s.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b, s))
-            for b in self.buckets
-            for s in b.slots
+            s.param.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, bi, si))
+            for bi, b in enumerate(self.buckets)
+            for si, s in enumerate(b.slots)
         ]
+        weakref.finalize(self, _remove_hooks, self._hooks)
         if config.overlap_allgather:
             if not isinstance(model, nn.Module):
                 raise ValueError(
