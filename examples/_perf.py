@@ -90,6 +90,11 @@ def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: device memory allocated on CUDA, resident set size on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    return host_peak_gib()
+
+
+def host_peak_gib() -> float:
+    """Peak resident set size of this process, in GiB."""
     # ru_maxrss is KiB on Linux, bytes on macOS.
     scale = 1 if sys.platform == "darwin" else 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30

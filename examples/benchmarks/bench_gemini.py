@@ -20,13 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples' shared helpers
+from _perf import host_peak_gib
 
 GiB = 1024**3
 PEAK_FLOPS = 989e12  # H200 bf16 dense, the convention of BENCHMARKS.md
@@ -113,10 +116,6 @@ def _init_dist(device: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
-
-
-def _host_peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _plan(row: Row, model) -> dict:
@@ -231,7 +230,7 @@ def run_row(row: Row, steps: int, warmup: int) -> dict:
         tflops_megatron=_megatron_tflops_per_step(row.shape, row.batch, row.seq) / dt,
         tflops_8n=tps * 8 * _n_params(row.shape) / 1e12,
         device_peak_gib=(torch.cuda.max_memory_allocated() / GiB) if device == "cuda" else 0.0,
-        host_peak_gib=_host_peak() / GiB,
+        host_peak_gib=host_peak_gib(),
         params_b=_n_params(row.shape) / 1e9,
         optimizer_step_s=sum(optimizer_s) / len(optimizer_s) if optimizer_s else None,
     )

@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples' sh
 import torch
 import torch.distributed as dist
 from _models import preset_config
-from _perf import ModelShape, Throughput, peak_memory_gib, synchronize
+from _perf import ModelShape, Throughput, host_peak_gib, peak_memory_gib, synchronize
 
 LR = 1e-5  # random weights on random tokens: keep the timed steps far from divergence
 PEERS = {  # BENCHMARKS.md, measured on the same H200
@@ -54,10 +53,6 @@ def _release() -> None:
         torch.cuda.reset_peak_memory_stats()
         if hasattr(torch._C, "_host_emptyCache"):  # pinned host blocks the previous row cached
             torch._C._host_emptyCache()
-
-
-def _host_peak_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _build(config, device: torch.device, grad_ckpt: bool, dtype: torch.dtype = torch.float32):
@@ -144,7 +139,7 @@ def measure(build: Callable, shape: ModelShape, batch, *, warmup: int, steps: in
         t0 = time.perf_counter()
         name, model, step, timer = build()
         print(
-            f"[{name}] built in {time.perf_counter() - t0:.1f} s, {_host_peak_gib():.1f} GiB host peak",
+            f"[{name}] built in {time.perf_counter() - t0:.1f} s, {host_peak_gib():.1f} GiB host peak",
             file=sys.stderr,
             flush=True,
         )
@@ -160,7 +155,7 @@ def measure(build: Callable, shape: ModelShape, batch, *, warmup: int, steps: in
             synchronize(batch.device)
             times.append(time.perf_counter() - t0)
             print(
-                f"[{name}] step {len(times)}: {1e3 * times[-1]:.0f} ms, {_host_peak_gib():.1f} GiB host peak",
+                f"[{name}] step {len(times)}: {1e3 * times[-1]:.0f} ms, {host_peak_gib():.1f} GiB host peak",
                 file=sys.stderr,
                 flush=True,
             )
