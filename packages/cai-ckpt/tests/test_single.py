@@ -341,3 +341,19 @@ def test_load_state_checks_every_part_before_changing_any(tmp_path):
         ck.load_state(tmp_path / "run", model=dst, optimizer=dst_opt)
     assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items()), "the model was loaded anyway"
     assert not dst_opt.state
+
+
+def test_waiting_rank_sees_a_commit_that_renames_the_directory_while_it_looks(tmp_path, monkeypatch):
+    """A rank polling for failure markers can list the temporary directory just as rank 0 renames it into place;
+    that is a commit, not an error."""
+    from pathlib import Path
+
+    from cai.ckpt._txn import Transaction
+
+    txn = Transaction(tmp_path / "ckpt")
+
+    def vanished(self, pattern):
+        raise FileNotFoundError(str(self))
+
+    monkeypatch.setattr(Path, "glob", vanished)
+    assert txn._failure() is None

@@ -110,7 +110,11 @@ class Transaction:
         return f"checkpoint {self.final} was not saved: rank-{rank:05d} failed: {error}; the previous one is untouched"
 
     def _failure(self) -> str | None:
-        for failed in sorted(self.tmp.glob("rank-*.failed.json")):
+        try:
+            markers = sorted(self.tmp.glob("rank-*.failed.json"))
+        except FileNotFoundError:  # rank 0 renamed the directory into place while we listed it: committed
+            return None
+        for failed in markers:
             rank = int(failed.name.split(".")[0].removeprefix("rank-"))
             error = "unknown error"
             with contextlib.suppress(Exception):
