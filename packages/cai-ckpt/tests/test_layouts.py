@@ -7,7 +7,9 @@ arithmetic on its pieces, so all of them match a one-process run bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,10 +187,23 @@ def _reference_run() -> tuple[dict[str, torch.Tensor], list[float], dict[str, to
 
 
 # ---- tests ---------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run in this process with one intra-op thread, as the pooled workers do: the comparisons are bitwise, and
+    a multi-threaded reduction may round differently from the workers' single-threaded one."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def _run(fn, layout: Layout, *args: Any, **kwargs: Any) -> list[Any]:
     """One rank runs here without a process group (the non-distributed path); more go to gloo workers."""
     if layout.world == 1:
-        return [fn(layout, *args, **kwargs)]
+        with _one_thread():
+            return [fn(layout, *args, **kwargs)]
     return run_distributed(fn, layout.world, layout, *args, **kwargs)
 
 
@@ -205,7 +220,8 @@ def saved(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference():
-    return _reference_run()
+    with _one_thread():
+        return _reference_run()
 
 
 def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
