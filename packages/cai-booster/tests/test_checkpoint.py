@@ -59,3 +59,29 @@ def test_async_save_then_load(tmp_path) -> None:
     for p, q in zip(model.parameters(), other.parameters()):
         assert torch.equal(p, q)
     assert opt.state_dict()["state"][0]["step"] == other_opt.state_dict()["state"][0]["step"]
+
+
+def test_gemini_fp16_save_state_resumes_the_loss_scale(tmp_path) -> None:
+    from cai.booster.plugin import GeminiPlugin
+
+    def fresh():
+        booster = Booster(
+            plugin=GeminiPlugin(precision="fp16", initial_scale=2.0**10, hysteresis=1), device="cpu"
+        )
+        model = TinyTransformer(seed=0)
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return booster, model, opt
+
+    booster, model, opt = fresh()
+    ids, labels = make_batch()
+    opt.backward(TinyTransformer.loss(model(ids), labels) * float("inf"))  # overflow: the scale backs off
+    opt.step()
+    opt.zero_grad()
+    assert opt.scaler.scale == 2.0**9
+    booster.save_state(tmp_path / "ckpt", step=1, model=model, optimizer=opt)
+
+    other_booster, other, other_opt = fresh()
+    assert other_opt.scaler.scale == 2.0**10
+    other_booster.load_state(tmp_path / "ckpt", model=other, optimizer=other_opt)
+    assert other_opt.scaler.state_dict() == opt.scaler.state_dict()
+    assert other_opt.scaler.skipped_steps == 1

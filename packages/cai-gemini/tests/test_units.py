@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cai.gemini import ChunkConfig, GeminiConfig, MemoryTracker, TensorState, search_chunk_size, shard
-from cai.gemini._chunk import _TRANSITIONS
+from cai.gemini import ChunkConfig, GeminiConfig, MemoryTracker, search_chunk_size, shard
+from cai.gemini._chunk import _TRANSITIONS, TensorState
 from cai.gemini._search import pack
 from cai.mesh.testing import TinyTransformer, make_batch
 
@@ -217,3 +217,36 @@ def test_model_and_optimizer_are_freed_with_their_last_reference() -> None:
     del gm, gopt, model  # the wrapped module needs its GeminiModel (its hooks gather the chunks): both go
     gc.collect()
     assert [r() for r in refs] == [None, None, None]  # the parameters' hooks did not keep the chunks alive
+
+
+def test_fp16_loss_scale_is_saved_and_resumed() -> None:
+    """An fp16 run's loss scale and skipped-step count survive ``state_dict``/``load_state_dict``: a resumed run
+    goes on with the backed-off scale, not the initial one."""
+    from cai.gemini import LossScaleConfig
+
+    def build():
+        cfg = GeminiConfig(
+            precision="fp16",
+            chunk=ChunkConfig(min_chunk_size_m=0.001),
+            loss_scale=LossScaleConfig(initial_scale=2.0**10, hysteresis=1),
+        )
+        model = TinyTransformer()
+        return shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg, device="cpu")
+
+    gm, gopt = build()
+    ids, labels = make_batch()
+    for _ in range(2):  # two overflowing steps: the scale backs off twice
+        gopt.backward(gm.module.loss(gm(ids), labels) * float("inf"))
+        gopt.step()
+        gopt.zero_grad()
+    gopt.backward(gm.module.loss(gm(ids), labels))
+    gopt.step()
+    assert gm.loss_scale == 2.0**8 and gopt.skipped_steps == 2
+    saved = gopt.state_dict()
+    assert saved["loss_scaler"]["scale"] == 2.0**8
+
+    gm2, gopt2 = build()
+    assert gm2.loss_scale == 2.0**10
+    gopt2.load_state_dict(saved)
+    assert gm2.loss_scale == 2.0**8 and gopt2.skipped_steps == 2
+    assert gopt2.scaler.state_dict() == gopt.scaler.state_dict()

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from cai.kernels.optim import DynamicLossScaler
 from cai.zero import LossScaleConfig, LowLevelZeroOptimizer, ZeroConfig, ZeroOptimizer
-from cai.zero._loss_scale import DynamicLossScaler
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cai.kernels.optim import DynamicLossScaler, LossScaleConfig
+
 __all__ = [
     "PRECISIONS",
     "DynamicLossScaler",
@@ -41,79 +43,8 @@ def check_precision(precision: Any, allowed: tuple[str, ...], *, owner: str) -> 
         raise ValueError(f"{owner}: precision {precision!r} is not supported; use one of {list(allowed)}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class LossScalerConfig:
-    """Dynamic loss scaling for fp16 (the Colossal-AI names and defaults).
-
-    The scale is multiplied by ``growth_factor`` after ``growth_interval`` steps without overflow and by
-    ``backoff_factor`` after ``hysteresis`` overflowing steps; it stays within ``[min_scale, max_scale]``.
-    """
-
-    initial_scale: float = 2.0**16
-    min_scale: float = 1.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    max_scale: float = 2.0**32
-
-    def __post_init__(self) -> None:
-        if not 0 < self.min_scale <= self.initial_scale <= self.max_scale:
-            raise ValueError(
-                f"LossScalerConfig: need 0 < min_scale <= initial_scale <= max_scale, got min_scale={self.min_scale}, "
-                f"initial_scale={self.initial_scale}, max_scale={self.max_scale}"
-            )
-        if self.growth_factor <= 1:
-            raise ValueError(f"LossScalerConfig: growth_factor {self.growth_factor} must be > 1 (e.g. 2)")
-        if not 0 < self.backoff_factor < 1:
-            raise ValueError(
-                f"LossScalerConfig: backoff_factor {self.backoff_factor} must be in (0, 1) (e.g. 0.5)"
-            )
-        if self.growth_interval < 1 or self.hysteresis < 1:
-            raise ValueError(
-                f"LossScalerConfig: growth_interval {self.growth_interval} and hysteresis {self.hysteresis} must be >= 1"
-            )
-
-
-class DynamicLossScaler:
-    """Loss scale state machine for fp16; ``state_dict`` makes it part of a resumable checkpoint."""
-
-    def __init__(self, config: LossScalerConfig | None = None) -> None:
-        self.config = config or LossScalerConfig()
-        self.scale = float(self.config.initial_scale)
-        self._good_steps = 0
-        self._hysteresis_left = self.config.hysteresis
-        self.skipped_steps = 0
-
-    def update(self, found_inf: bool) -> None:
-        c = self.config
-        if found_inf:
-            self.skipped_steps += 1
-            self._good_steps = 0
-            self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
-                self.scale = max(self.scale * c.backoff_factor, c.min_scale)
-                self._hysteresis_left = c.hysteresis
-            return
-        self._good_steps += 1
-        if self._good_steps >= c.growth_interval:
-            self.scale = min(self.scale * c.growth_factor, c.max_scale)
-            self._good_steps = 0
-            self._hysteresis_left = c.hysteresis
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "good_steps": self._good_steps,
-            "hysteresis_left": self._hysteresis_left,
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self._good_steps = int(state["good_steps"])
-        self._hysteresis_left = int(state["hysteresis_left"])
-        self.skipped_steps = int(state["skipped_steps"])
+# One loss scaler for every plugin (cai.kernels'); ``LossScalerConfig`` is this package's name for its config.
+LossScalerConfig = LossScaleConfig
 
 
 def grads_have_inf(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> bool:

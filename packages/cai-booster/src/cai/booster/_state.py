@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cai.mesh import LocalShard, ShardSpec
+from cai.mesh import LocalShard, ShardSpec, load_param_groups_state, param_groups_state
 
 __all__ = ["ModuleState", "OptimizerState", "local_tensor", "param_spec"]
 
@@ -131,39 +131,16 @@ class OptimizerState:
                             local = local_tensor(value)
                             local.copy_(read(name, param_spec(p), local.dtype).to(local.device))
 
+    def _group_names(self) -> list[list[str]]:
+        return [[self._name(p) for p in g["params"]] for g in self.optimizer.param_groups]
+
     def param_groups_state(self) -> list[dict[str, Any]]:
-        groups = []
-        for group in self.optimizer.param_groups:
-            g = {k: _jsonable(v) for k, v in group.items() if k != "params"}
-            g = {k: v for k, v in g.items() if v is not _SKIP}
-            g["params"] = [self._name(p) for p in group["params"]]
-            groups.append(g)
-        return groups
+        return param_groups_state(self.optimizer.param_groups, self._group_names())
 
     def load_param_groups_state(self, groups: list[dict[str, Any]]) -> None:
-        if len(groups) != len(self.optimizer.param_groups):
-            raise ValueError(
-                f"load_param_groups_state: checkpoint has {len(groups)} param groups, optimizer has "
-                f"{len(self.optimizer.param_groups)}"
-            )
-        for saved, group in zip(groups, self.optimizer.param_groups):
-            for key, value in saved.items():
-                if key != "params" and key in group:
-                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
-
-
-_SKIP = object()
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, (bool, int, float, str)) or v is None:
-        return v
-    if isinstance(v, (tuple, list)):
-        items = [_jsonable(x) for x in v]
-        return _SKIP if any(x is _SKIP for x in items) else items
-    if torch.is_tensor(v) and v.numel() == 1:
-        return v.item()
-    return _SKIP
+        load_param_groups_state(
+            self.optimizer.param_groups, self._group_names(), groups, owner="load_param_groups_state"
+        )
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -7,9 +7,7 @@
 from importlib.metadata import version as _version
 
 from cai.gemini._api import shard
-from cai.gemini._chunk import Chunk, ChunkFullError, TensorState
 from cai.gemini._config import ChunkConfig, GeminiConfig, LossScaleConfig
-from cai.gemini._manager import ChunkManager
 from cai.gemini._memory import CudaMemoryTracker, MemoryTracker
 from cai.gemini._model import GeminiModel
 from cai.gemini._optim import GeminiOptimizer
@@ -21,10 +19,7 @@ GeminiDDP = GeminiModel  # Colossal-AI's name
 __version__ = _version("cai-gemini")
 
 __all__ = [
-    "Chunk",
     "ChunkConfig",
-    "ChunkFullError",
-    "ChunkManager",
     "ChunkSearchResult",
     "CudaMemoryTracker",
     "GeminiConfig",
@@ -35,7 +30,6 @@ __all__ = [
     "MemoryPlan",
     "MemoryTracker",
     "PlanRow",
-    "TensorState",
     "TransformerShape",
     "__version__",
     "plan",

@@ -496,24 +496,15 @@ class Chunk:
         self._lp_to_grad32()
         self._wait_up()
         dev = self.device if to == DEVICE else torch.device("cpu")
-        src = self.optim_location
-        moved_bytes = 0
-
-        def mv(t: torch.Tensor) -> torch.Tensor:
-            nonlocal moved_bytes
-            moved_bytes += self._bytes(t)
-            return t.to(dev, copy=True)
-
-        self.master = mv(self.master)
+        self.master = self.master.to(dev, copy=True)
         self.tracker.move("master", self._bytes(self.master), to=to)
         if self.grad32 is not None:
-            self.grad32 = mv(self.grad32)
+            self.grad32 = self.grad32.to(dev, copy=True)
             self.tracker.move("grad32", self._bytes(self.grad32), to=to)
-        moved = {k: (mv(v) if v.numel() > 1 else v) for k, v in states.items()}
+        moved = {k: (v.to(dev, copy=True) if v.numel() > 1 else v) for k, v in states.items()}
         opt_bytes = sum(self._bytes(v) for v in states.values() if v.numel() > 1)
         if opt_bytes:
             self.tracker.move("optim", opt_bytes, to=to)
         self.optim_location = to
         self._place_grad_buffers()
-        del src, moved_bytes
         return moved

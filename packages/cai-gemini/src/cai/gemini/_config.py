@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from cai.kernels.optim import LossScaleConfig
+
 __all__ = ["ChunkConfig", "GeminiConfig", "LossScaleConfig"]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
@@ -54,35 +56,6 @@ class ChunkConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"ChunkConfig: {name}={v} must be a positive element count or None")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LossScaleConfig:
-    """Dynamic loss scaling for fp16 (ignored for bf16 and fp32). Defaults follow Colossal-AI's GeminiPlugin."""
-
-    initial_scale: float = 2.0**16
-    min_scale: float = 1.0
-    max_scale: float = 2.0**32
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
-
-    def __post_init__(self) -> None:
-        if not 0 < self.min_scale <= self.initial_scale <= self.max_scale:
-            raise ValueError(
-                f"LossScaleConfig: need 0 < min_scale ({self.min_scale}) <= initial_scale ({self.initial_scale}) "
-                f"<= max_scale ({self.max_scale})"
-            )
-        if self.growth_factor <= 1 or not 0 < self.backoff_factor < 1:
-            raise ValueError(
-                f"LossScaleConfig: growth_factor={self.growth_factor} must be > 1 and backoff_factor="
-                f"{self.backoff_factor} in (0, 1)"
-            )
-        if self.growth_interval < 1 or self.hysteresis < 1:
-            raise ValueError(
-                f"LossScaleConfig: growth_interval={self.growth_interval} and hysteresis={self.hysteresis} must be >= 1"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)

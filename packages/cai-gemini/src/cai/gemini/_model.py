@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,20 +18,10 @@ from cai.gemini._config import GeminiConfig
 from cai.gemini._manager import BWD, FWD, AutoPlacer, ChunkManager
 from cai.gemini._memory import CudaMemoryTracker, MemoryTracker
 from cai.gemini._state import gather_full, iter_pieces, source_shard
-from cai.mesh import LocalShard, ShardSpec, all_gather_into_tensor
+from cai.kernels.optim import DynamicLossScaler
+from cai.mesh import LocalShard, Read, ShardSpec, all_gather_into_tensor, register_grad_hooks_weakly
 
 __all__ = ["GeminiModel"]
-
-
-def _grad_hook(ref: weakref.ref, param: torch.Tensor) -> None:
-    model = ref()
-    if model is not None:
-        model._grad_hook(param)
-
-
-def _remove_hooks(handles: list) -> None:
-    for h in handles:
-        h.remove()
 
 
 def _in_backward() -> bool:
@@ -101,8 +90,8 @@ class GeminiModel(nn.Module):
             if self.config.placement_policy == "auto"
             else None
         )
-        self.loss_scale = 1.0
-        self.on_reduced: Callable[[Chunk], None] | None = None  # set by an optimizer that steps chunks early
+        self._scaler: DynamicLossScaler | None = None  # see attach_optimizer
+        self._on_reduced: Callable[[Chunk], None] | None = None
         self._sync = True
         self._backward_active = False
         self._warmup_started = False
@@ -120,16 +109,10 @@ class GeminiModel(nn.Module):
             self._handles.append(m.register_forward_hook(self._post_forward))
         self._handles.append(module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         self._handles.append(module.register_forward_hook(self._root_post_forward))
-        # the parameters' hooks hold this model weakly (see [Note: hooks hold the optimizer weakly] in cai-zero):
-        # a strong reference from a tensor hook would keep every chunk alive as long as the parameters live
-        ref = weakref.ref(self)
-        grad_hooks = [
-            p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref))
-            for _, p in named
-            if p.requires_grad
-        ]
-        self._handles += grad_hooks
-        weakref.finalize(self, _remove_hooks, grad_hooks)
+        # held weakly, or every chunk would live as long as the parameters (see [Note: hooks hold their owner weakly])
+        self._handles += register_grad_hooks_weakly(
+            self, GeminiModel._grad_hook, ((p, ()) for _, p in named if p.requires_grad)
+        )
 
     # ---- forward ------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -193,21 +176,40 @@ class GeminiModel(nn.Module):
             chunk.reduce(sync=self._sync)
             if not chunk.in_compute:
                 chunk.release()
-            if self._sync and self.on_reduced is not None:
-                self.on_reduced(chunk)
+            if self._sync and self._on_reduced is not None:
+                self._on_reduced(chunk)
 
     def _end_backward(self) -> None:
         for c in self.chunk_manager.chunks:
             if c.grad_buffer is not None:  # some parameters took no part in this pass
                 c.reduce(sync=self._sync)
-                if self._sync and self.on_reduced is not None:
-                    self.on_reduced(c)
+                if self._sync and self._on_reduced is not None:
+                    self._on_reduced(c)
         self.chunk_manager.release_all()
         self._backward_active = False
 
+    # ---- the optimizer's side ----------------------------------------------------------------------------
+    def attach_optimizer(
+        self, *, scaler: DynamicLossScaler | None, on_reduced: Callable[[Chunk], None] | None
+    ) -> None:
+        """How the optimizer that steps this model's chunks talks to it (called once, by ``GeminiOptimizer``).
+
+        ``scaler``: the fp16 loss scaler whose current scale ``backward`` applies (None: no scaling).
+        ``on_reduced(chunk)``: called after each synchronised reduction of a chunk's gradient, during backward
+        (the overlapped host step starts there); None when nothing needs it.
+        """
+        self._scaler = scaler
+        self._on_reduced = on_reduced
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale ``backward`` multiplies the loss by (1.0 without an fp16 optimizer)."""
+        return self._scaler.scale if self._scaler is not None else 1.0
+
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` with the fp16 loss scale applied (the optimizer sets ``loss_scale``)."""
-        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+        """``loss.backward()`` with the fp16 loss scale applied (see ``attach_optimizer``)."""
+        scale = self.loss_scale
+        (loss * scale if scale != 1.0 else loss).backward()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -237,10 +239,10 @@ class GeminiModel(nn.Module):
         """This rank's pieces of the accumulated (mean-reduced, fp32) gradients, by parameter name."""
         out: dict[str, LocalShard] = {}
         grads = {c.index: c.step_grad() for c in self.chunks if c.master is not None}
-        for pc in iter_pieces(self.chunks):
-            g = grads.get(pc.chunk.index)
+        for chunk, pc in iter_pieces(self.chunks):
+            g = grads.get(chunk.index)
             if g is not None:
-                out[pc.info.name] = LocalShard(g[pc.lo : pc.hi].detach().float().cpu().clone(), pc.spec)
+                out[pc.entry.name] = LocalShard(g[pc.start : pc.stop].detach().float().cpu().clone(), pc.spec)
         return out
 
     # ---- state ----------------------------------------------------------------------------------------------
@@ -260,23 +262,22 @@ class GeminiModel(nn.Module):
         out: dict[str, LocalShard] = {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # host copies of shards may still be landing
-        for pc in iter_pieces(self.chunks):
-            out[pc.info.name] = LocalShard(source_shard(pc.chunk)[pc.lo : pc.hi].detach(), pc.spec)
+        for chunk, pc in iter_pieces(self.chunks):
+            out[pc.entry.name] = LocalShard(source_shard(chunk)[pc.start : pc.stop].detach(), pc.spec)
         for name, buf in self._buffers_by_name():
             out[name] = LocalShard(buf.detach(), ShardSpec.full(buf.shape))
         return out
 
     @torch.no_grad()
-    def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
+    def load_sharded_state_dict(self, read: Read) -> None:
         """Fill this rank's pieces from ``read(name, spec, dtype)`` (any saved layout can answer it)."""
         self.chunk_manager.release_all()
-        for pc in iter_pieces(self.chunks):
-            c = pc.chunk
-            value = read(pc.info.name, pc.spec, torch.float32).reshape(-1)
+        for c, pc in iter_pieces(self.chunks):
+            value = read(pc.entry.name, pc.spec, torch.float32).reshape(-1)
             if c.master is not None:
-                c.master[pc.lo : pc.hi].copy_(value)
+                c.master[pc.start : pc.stop].copy_(value)
             assert c.shard is not None
-            c.shard[pc.lo : pc.hi].copy_(value)
+            c.shard[pc.start : pc.stop].copy_(value)
         for c in self.chunks:
             if c.keep_gathered and c.world_size > 1:
                 assert c.full is not None and c.shard is not None

@@ -11,16 +11,12 @@ import torch
 import torch.distributed as dist
 
 from cai.gemini._chunk import Chunk
-from cai.gemini._config import LossScaleConfig
-from cai.gemini._memory import DEVICE
 from cai.gemini._model import GeminiModel
 from cai.gemini._state import gather_full, iter_pieces
-from cai.kernels.optim import adam_update
-from cai.mesh import LocalShard, ShardSpec
+from cai.kernels.optim import DynamicLossScaler, adam_update
+from cai.mesh import LocalShard, Read, ShardSpec, load_param_groups_state, param_groups_state
 
 __all__ = ["GeminiOptimizer"]
-
-_HYPER_SKIP = ("params",)
 
 
 def _adamw_mode(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
@@ -45,31 +41,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             raise ValueError(
                 "GeminiOptimizer: amsgrad=True and maximize=True are not supported; set them False"
             )
-
-
-class _LossScaler:
-    """Dynamic loss scale with hysteresis (fp16 only)."""
-
-    def __init__(self, cfg: LossScaleConfig) -> None:
-        self.cfg = cfg
-        self.scale = float(cfg.initial_scale)
-        self._good = 0
-        self._hyst = cfg.hysteresis
-
-    def update(self, overflow: bool) -> None:
-        c = self.cfg
-        if overflow:
-            self._good = 0
-            self._hyst -= 1
-            if self._hyst <= 0:
-                self.scale = max(c.min_scale, self.scale * c.backoff_factor)
-                self._hyst = c.hysteresis
-            return
-        self._good += 1
-        if self._good >= c.growth_interval:
-            self.scale = min(c.max_scale, self.scale * c.growth_factor)
-            self._good = 0
-            self._hyst = c.hysteresis
 
 
 class GeminiOptimizer(torch.optim.Optimizer):
@@ -106,8 +77,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self.max_norm = model.config.max_norm if max_norm is None else float(max_norm)
         self.norm_type = model.config.norm_type if norm_type is None else float(norm_type)
         super().__init__(optimizer.param_groups, optimizer.defaults)
-        self.scaler = _LossScaler(model.config.loss_scale) if model.config.precision == "fp16" else None
-        model.loss_scale = self.scaler.scale if self.scaler else 1.0
+        self.scaler = DynamicLossScaler(model.config.loss_scale) if model.config.precision == "fp16" else None
         group_of: dict[int, int] = {}
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
@@ -123,18 +93,17 @@ class GeminiOptimizer(torch.optim.Optimizer):
             for t in c.tensors:
                 if id(t.param) in group_of:
                     self._names[group_of[id(t.param)]].append(t.name)
-        for pc in iter_pieces(model.chunks):
-            gi = group_of.get(id(pc.info.param))
-            if gi is None or pc.chunk.master is None:
+        for chunk, pc in iter_pieces(model.chunks):
+            gi = group_of.get(id(pc.entry.param))
+            if gi is None or chunk.master is None:
                 continue
             segs = self._segments[gi]
-            if segs and segs[-1][0] is pc.chunk and segs[-1][2] == pc.lo:
-                segs[-1] = (pc.chunk, segs[-1][1], pc.hi)
+            if segs and segs[-1][0] is chunk and segs[-1][2] == pc.start:
+                segs[-1] = (chunk, segs[-1][1], pc.stop)
             else:
-                segs.append((pc.chunk, pc.lo, pc.hi))
+                segs.append((chunk, pc.start, pc.stop))
         # chunks whose every tensor is stepped: the update can write the new working-precision values straight
         # into the host transfer buffer (one pass instead of an update and a cast)
-        stepped = {(c.index, lo, hi) for segs in self._segments for c, lo, hi in segs}
         covered: dict[int, int] = {}
         for c, lo, hi in (x for segs in self._segments for x in segs):
             covered[c.index] = covered.get(c.index, 0) + (hi - lo)
@@ -142,9 +111,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
             c.index
             for c in model.chunks
             if c.master is not None
-            and covered.get(c.index, 0) == sum(pc.hi - pc.lo for pc in iter_pieces([c]))
+            and covered.get(c.index, 0) == sum(pc.stop - pc.start for _, pc in iter_pieces([c]))
         }
-        del stepped
         self._by_chunk: dict[int, list[tuple[int, int, int]]] = {}
         for gi, segs in enumerate(self._segments):
             for c, lo, hi in segs:
@@ -152,21 +120,25 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self._steps = [0] * len(self.param_groups)
         self._pool: ThreadPoolExecutor | None = None
         self._early: dict[int, Future] = {}
-        if model.config.overlap_host_step:
-            model.on_reduced = self._on_reduced
+        model.attach_optimizer(
+            scaler=self.scaler, on_reduced=self._on_reduced if model.config.overlap_host_step else None
+        )
         self._chunk_state: dict[int, dict[str, torch.Tensor]] = {}
         self._warm = False
         self.last_grad_norm: float | None = None
-        self.skipped_steps = 0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on fp16 overflow (kept by the loss scaler, so a resumed run keeps counting)."""
+        return self.scaler.skipped_steps if self.scaler is not None else 0
 
     # ---- the training-loop surface ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         self.model.backward(loss)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        torch.autograd.backward(
-            tensor, grad * self.model.loss_scale if self.model.loss_scale != 1.0 else grad
-        )
+        scale = self.model.loss_scale
+        torch.autograd.backward(tensor, grad * scale if scale != 1.0 else grad)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._early:
@@ -251,9 +223,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 bad = max(bad, float(not bool(torch.isfinite(g).all())))
             overflow = self._all_reduce(bad, dist.ReduceOp.MAX) > 0
             self.scaler.update(overflow)
-            self.model.loss_scale = self.scaler.scale
             if overflow:
-                self.skipped_steps += 1
                 self.model.zero_grad()
                 return loss
         if self.max_norm > 0:
@@ -341,33 +311,31 @@ class GeminiOptimizer(torch.optim.Optimizer):
         """This rank's pieces of ``<param>.exp_avg`` / ``.exp_avg_sq`` and a 0-d ``<param>.step`` (after a step)."""
         out: dict[str, LocalShard] = {}
         gidx = self._group_index()
-        for pc in iter_pieces(self._trainable()):
-            st = self._chunk_state.get(pc.chunk.index)
-            gi = gidx.get(pc.info.name)
+        for chunk, pc in iter_pieces(self._trainable()):
+            st = self._chunk_state.get(chunk.index)
+            gi = gidx.get(pc.entry.name)
             if st is None or gi is None:
                 continue
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{pc.info.name}.{key}"] = LocalShard(st[key][pc.lo : pc.hi].detach(), pc.spec)
-            out[f"{pc.info.name}.step"] = LocalShard(torch.tensor(float(self._steps[gi])), ShardSpec.full(()))
+                out[f"{pc.entry.name}.{key}"] = LocalShard(st[key][pc.start : pc.stop].detach(), pc.spec)
+            out[f"{pc.entry.name}.step"] = LocalShard(
+                torch.tensor(float(self._steps[gi])), ShardSpec.full(())
+            )
         return out
 
     @torch.no_grad()
-    def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
+    def load_sharded_state_dict(self, read: Read) -> None:
         gidx = self._group_index()
-        for pc in iter_pieces(self._trainable()):
-            gi = gidx.get(pc.info.name)
+        for chunk, pc in iter_pieces(self._trainable()):
+            gi = gidx.get(pc.entry.name)
             if gi is None:
                 continue
-            st = self._state(pc.chunk)
+            st = self._state(chunk)
             for key in ("exp_avg", "exp_avg_sq"):
-                st[key][pc.lo : pc.hi].copy_(
-                    read(f"{pc.info.name}.{key}", pc.spec, torch.float32).reshape(-1)
+                st[key][pc.start : pc.stop].copy_(
+                    read(f"{pc.entry.name}.{key}", pc.spec, torch.float32).reshape(-1)
                 )
-            self._steps[gi] = int(read(f"{pc.info.name}.step", ShardSpec.full(()), torch.float32).item())
-        self._warm_after_load()
-
-    def _warm_after_load(self) -> None:
-        pass
+            self._steps[gi] = int(read(f"{pc.entry.name}.step", ShardSpec.full(()), torch.float32).item())
 
     def ensure_state(self) -> None:
         """Create every chunk's Adam state now (zeros), so a loader knows its keys before the first step."""
@@ -376,31 +344,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     def param_groups_state(self) -> list[dict[str, Any]]:
         """JSON-able hyperparameters per group, with ``params`` as parameter names."""
-        out = []
-        for gi, g in enumerate(self.param_groups):
-            d: dict[str, Any] = {}
-            for k, v in g.items():
-                if k in _HYPER_SKIP:
-                    continue
-                if isinstance(v, torch.Tensor):
-                    v = v.item()
-                if isinstance(v, tuple):
-                    v = list(v)
-                if isinstance(v, bool | int | float | str | list) or v is None:
-                    d[k] = v
-            d["params"] = list(self._names[gi])
-            out.append(d)
-        return out
+        return param_groups_state(self.param_groups, self._names)
 
     def load_param_groups_state(self, groups: list[dict[str, Any]]) -> None:
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"load_param_groups_state: {len(groups)} saved groups, optimizer has {len(self.param_groups)}"
-            )
-        for g, saved in zip(self.param_groups, groups):
-            for k, v in saved.items():
-                if k != "params":
-                    g[k] = tuple(v) if k == "betas" else v
+        """Restore :meth:`param_groups_state`; each group must hold the same parameter names as saved."""
+        load_param_groups_state(self.param_groups, self._names, groups, owner="GeminiOptimizer")
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Full optimizer state on the host by parameter name (one all-gather per chunk and state tensor)."""
@@ -418,7 +366,11 @@ class GeminiOptimizer(torch.optim.Optimizer):
                     s = {k: f[t.offset : t.end].view(t.shape).clone() for k, f in fulls.items()}
                     s["step"] = torch.tensor(float(self._steps[gidx[t.name]]))
                     state[t.name] = s
-        return {"state": state, "param_groups": self.param_groups_state()}
+        return {
+            "state": state,
+            "param_groups": self.param_groups_state(),
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         state = state_dict["state"]
@@ -430,10 +382,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
         if state:
             self.load_sharded_state_dict(read)
+        if self.scaler is not None and state_dict.get("loss_scaler"):
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
 
     def memory_location(self) -> dict[int, str]:
         return {c.index: c.optim_location for c in self._trainable()}
-
-
-def is_on_device(c: Chunk) -> bool:
-    return c.optim_location == DEVICE

@@ -3,37 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from cai.gemini._chunk import Chunk, TensorInfo
-from cai.mesh import ShardSpec, all_gather_into_tensor
+from cai.mesh import FlatPiece, all_gather_into_tensor, flat_pieces
 
-__all__ = ["Piece", "gather_full", "iter_pieces"]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of tensor ``info`` that lies in this rank's shard of ``chunk``: shard elements ``[lo, hi)``."""
-
-    chunk: Chunk
-    info: TensorInfo
-    lo: int
-    hi: int
-    spec: ShardSpec
+__all__ = ["gather_full", "iter_pieces", "source_shard"]
 
 
-def iter_pieces(chunks: list[Chunk]) -> Iterator[Piece]:
-    """Every (parameter, this rank) intersection, in chunk order; parameters outside the shard give nothing."""
+def iter_pieces(chunks: list[Chunk]) -> Iterator[tuple[Chunk, FlatPiece[TensorInfo]]]:
+    """Every (parameter, this rank) intersection, in chunk order, with its chunk; ``start:stop`` index the shard."""
     for c in chunks:
-        s0, s1 = c.shard_range
-        for t in c.tensors:
-            a, b = max(t.offset, s0), min(t.end, s1)
-            if a >= b:
-                continue
-            spec = ShardSpec(global_shape=tuple(t.shape), flat_range=(a - t.offset, b - t.offset))
-            yield Piece(chunk=c, info=t, lo=a - s0, hi=b - s0, spec=spec)
+        for pc in flat_pieces(c.tensors, *c.shard_range):
+            yield c, pc
 
 
 def source_shard(c: Chunk) -> torch.Tensor:

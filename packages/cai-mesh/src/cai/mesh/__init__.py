@@ -16,10 +16,18 @@ from cai.mesh._accelerator import (
 )
 from cai.mesh._collectives import all_gather_into_tensor, reduce_scatter_tensor
 from cai.mesh._coordinator import DistCoordinator
+from cai.mesh._hooks import register_grad_hooks_weakly
 from cai.mesh._launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, set_seed
 from cai.mesh._logging import DistributedLogger, disable_existing_loggers, get_dist_logger
 from cai.mesh._parallel_dims import AXES, ParallelDims, ParallelMesh
-from cai.mesh._shard_spec import LocalShard, ShardSpec, assemble
+from cai.mesh._shard_spec import FlatPiece, LocalShard, ShardSpec, assemble, flat_pieces
+from cai.mesh._state import (
+    Read,
+    ShardedOptimizerState,
+    ShardedState,
+    load_param_groups_state,
+    param_groups_state,
+)
 
 __version__ = _version("cai-mesh")
 
@@ -30,15 +38,20 @@ __all__ = [
     "CudaAccelerator",
     "DistCoordinator",
     "DistributedLogger",
+    "FlatPiece",
     "LocalShard",
     "ParallelDims",
     "ParallelMesh",
+    "Read",
     "ShardSpec",
+    "ShardedOptimizerState",
+    "ShardedState",
     "__version__",
     "all_gather_into_tensor",
     "assemble",
     "auto_set_accelerator",
     "disable_existing_loggers",
+    "flat_pieces",
     "get_accelerator",
     "get_current_device",
     "get_dist_logger",
@@ -46,7 +59,10 @@ __all__ = [
     "launch_from_openmpi",
     "launch_from_slurm",
     "launch_from_torch",
+    "load_param_groups_state",
+    "param_groups_state",
     "reduce_scatter_tensor",
+    "register_grad_hooks_weakly",
     "set_accelerator",
     "set_seed",
 ]

@@ -16,12 +16,13 @@ is what makes checkpoints loadable under any layout.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
-__all__ = ["LocalShard", "ShardSpec", "assemble"]
+__all__ = ["FlatPiece", "LocalShard", "ShardSpec", "assemble", "flat_pieces"]
 
 
 def _tuple(x: Any) -> tuple[int, ...]:
@@ -247,6 +248,46 @@ class LocalShard(NamedTuple):
 
     tensor: torch.Tensor
     spec: ShardSpec
+
+
+class _FlatEntry(Protocol):
+    offset: int  # first element inside the flat buffer
+    numel: int
+
+    @property
+    def shape(self) -> Any: ...
+
+
+_E = TypeVar("_E", bound=_FlatEntry)
+
+
+class FlatPiece(NamedTuple, Generic[_E]):
+    """The part of ``entry`` that lies in a window ``[lo, hi)`` of a flat buffer: window elements
+    ``[start, stop)`` (relative to the window), which are elements ``spec.flat_range`` of the tensor."""
+
+    entry: _E
+    start: int
+    stop: int
+    spec: ShardSpec
+
+
+def flat_pieces(entries: Iterable[_E], lo: int, hi: int) -> Iterator[FlatPiece[_E]]:
+    """The pieces of tensors laid out back to back in a flat buffer that fall in its window ``[lo, hi)``.
+
+    ``entries`` have ``offset`` (first element in the buffer), ``numel`` and ``shape``; the window is what one
+    rank owns of a bucket or chunk. Entries outside the window give nothing. This is the one place where the
+    flat-buffer layouts (cai-zero's buckets, cai-gemini's chunks) become ``ShardSpec`` pieces.
+
+    Example::
+
+        for piece in flat_pieces(bucket.slots, rank * shard, (rank + 1) * shard):
+            out[piece.entry.name] = LocalShard(master[piece.start : piece.stop], piece.spec)
+    """
+    for e in entries:
+        a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+        if a < b:
+            spec = ShardSpec(global_shape=tuple(e.shape), flat_range=(a - e.offset, b - e.offset))
+            yield FlatPiece(e, a - lo, b - lo, spec)
 
 
 def assemble(pieces: list[LocalShard], *, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -5,7 +5,7 @@ A bucket is a contiguous flat buffer holding several parameters of one optimizer
 back to back, followed by zeros so that its length is ``shard * world_size``. Rank r owns elements
 ``[r * shard, (r + 1) * shard)``: its fp32 master shard, optimizer state and (stage 2) gradient shard cover exactly
 that range. A parameter may straddle several ranks' ranges; its piece on rank r is the intersection, which is
-what ``ShardSpec(flat_range=...)`` describes. Padding lives only at the bucket's end, is always zero in the
+what ``ShardSpec(flat_range=...)`` describes (``cai.mesh.flat_pieces``). Padding lives only at the bucket's end, is always zero in the
 working buffer and gradients, and therefore stays zero in every elementwise optimizer's state: it never leaks out.
 """
 
@@ -15,8 +15,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-
-from cai.mesh import ShardSpec
 
 
 @dataclass(eq=False)
@@ -28,15 +26,6 @@ class Slot:
     offset: int  # first element inside the bucket's flat buffer
     numel: int
     shape: tuple[int, ...]
-
-    def local_range(self, lo: int, hi: int) -> tuple[int, int] | None:
-        """This parameter's elements inside bucket range [lo, hi), relative to the parameter, or None."""
-        a, b = max(self.offset, lo), min(self.offset + self.numel, hi)
-        return (a - self.offset, b - self.offset) if a < b else None
-
-    def spec(self, lo: int, hi: int) -> ShardSpec | None:
-        rng = self.local_range(lo, hi)
-        return None if rng is None else ShardSpec(global_shape=self.shape, flat_range=rng)
 
 
 @dataclass(eq=False)
@@ -58,7 +47,6 @@ class Bucket:
     # (any dtype; which is why it is not stored as master.grad, whose dtype torch ties to the master's)
     grad_shard: torch.Tensor | None = None
     received: int = 0  # gradients received in the current backward
-    reduced_this_backward: bool = False
     reduced_in_window: int = 0  # reductions since the last step()/zero_grad()
     gather_work: list = field(default_factory=list)  # async all-gather handles (overlap_allgather)
 

@@ -1,10 +1,12 @@
-"""Typed configuration for the ZeRO optimizer and its dynamic loss scaler."""
+"""Typed configuration for the ZeRO optimizer (its loss scaler's config is cai.kernels' ``LossScaleConfig``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from cai.kernels.optim import LossScaleConfig
 
 __all__ = ["LossScaleConfig", "ZeroConfig"]
 
@@ -68,42 +70,3 @@ class ZeroConfig:
         """Elements per gradient bucket for gradients reduced in ``dtype``."""
         itemsize = torch.empty((), dtype=self.comm_dtype or dtype).element_size()
         return max(1, int(self.bucket_size_mb * 2**20) // itemsize)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LossScaleConfig:
-    """Dynamic loss scaling for fp16 working parameters.
-
-    The loss is multiplied by ``scale`` before backward. A step whose gradients hold an inf or NaN on any rank is
-    skipped; after ``hysteresis`` consecutive overflowing steps the scale is multiplied by ``backoff_factor``
-    (never below ``min_scale``). After ``growth_interval`` clean steps in a row it is multiplied by
-    ``growth_factor`` (never above ``max_scale``).
-    """
-
-    initial_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
-
-    def __post_init__(self) -> None:
-        if not self.min_scale > 0 or not self.min_scale <= self.initial_scale <= self.max_scale:
-            raise ValueError(
-                f"LossScaleConfig: need 0 < min_scale <= initial_scale <= max_scale, got min_scale={self.min_scale}, "
-                f"initial_scale={self.initial_scale}, max_scale={self.max_scale}"
-            )
-        if not self.growth_factor > 1:
-            raise ValueError(
-                f"LossScaleConfig: growth_factor={self.growth_factor} must be > 1 (2.0 is usual)"
-            )
-        if not 0 < self.backoff_factor < 1:
-            raise ValueError(
-                f"LossScaleConfig: backoff_factor={self.backoff_factor} must be in (0, 1) (0.5 is usual)"
-            )
-        if self.growth_interval < 1 or self.hysteresis < 1:
-            raise ValueError(
-                f"LossScaleConfig: growth_interval={self.growth_interval} and hysteresis={self.hysteresis} "
-                "must both be >= 1"
-            )

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -13,11 +11,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cai.mesh import all_gather_into_tensor, reduce_scatter_tensor
+from cai.kernels.optim import DynamicLossScaler, LossScaleConfig
+from cai.mesh import (
+    LocalShard,
+    Read,
+    all_gather_into_tensor,
+    load_param_groups_state,
+    param_groups_state,
+    reduce_scatter_tensor,
+    register_grad_hooks_weakly,
+)
 from cai.zero import _state
-from cai.zero._bucket import Bucket, Slot, plan_buckets
-from cai.zero._config import LossScaleConfig, ZeroConfig
-from cai.zero._loss_scale import DynamicLossScaler
+from cai.zero._bucket import Bucket, plan_buckets
+from cai.zero._config import ZeroConfig
 from cai.zero._offload import HostOffload
 
 logger = logging.getLogger("cai.zero")
@@ -25,18 +31,6 @@ logger = logging.getLogger("cai.zero")
 _CAST_WINDOW_BYTES = 1 << 30  # fp32 gradient copies alive at once in a step with low-precision gradients
 
 NamedParams = nn.Module | Iterable[tuple[str, nn.Parameter]]
-
-
-def _on_grad(ref: weakref.ref, bucket: int, slot: int, p: nn.Parameter) -> None:
-    zo = ref()
-    if zo is not None:
-        b = zo.buckets[bucket]
-        zo._on_grad(b, b.slots[slot], p)
-
-
-def _remove_hooks(handles: list) -> None:
-    for h in handles:
-        h.remove()
 
 
 def _named_parameters(model: NamedParams) -> dict[int, str]:
@@ -167,17 +161,12 @@ class ZeroOptimizer:
         self._backward_ends = 0
         self._next_bucket = 0
         self._step_count = 0
-        # [Note: hooks hold the optimizer weakly] a tensor hook that referenced the optimizer would keep it (its
-        # master shards and optimizer state) alive as long as the parameters live: the garbage collector cannot
-        # see through autograd's C++ references. The hooks look it up through a weak reference instead, and are
-        # removed when it is collected.
-        ref = weakref.ref(self)
-        self._hooks = [
-            s.param.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, bi, si))
-            for bi, b in enumerate(self.buckets)
-            for si, s in enumerate(b.slots)
-        ]
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        # by bucket and slot index, so that the hooks keep no bucket alive (see [Note: hooks hold their owner weakly])
+        self._hooks = register_grad_hooks_weakly(
+            self,
+            ZeroOptimizer._on_grad,
+            ((s.param, (bi, si)) for bi, b in enumerate(self.buckets) for si, s in enumerate(b.slots)),
+        )
         if config.overlap_allgather:
             if not isinstance(model, nn.Module):
                 raise ValueError(
@@ -255,7 +244,9 @@ class ZeroOptimizer:
         finally:
             self._sync = old
 
-    def _on_grad(self, b: Bucket, slot: Slot, p: nn.Parameter) -> None:
+    def _on_grad(self, p: nn.Parameter, bucket: int, slot_index: int) -> None:
+        b = self.buckets[bucket]
+        slot = b.slots[slot_index]
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -491,15 +482,57 @@ class ZeroOptimizer:
         self._in_backward = False  # in case a backward raised half-way
         self._next_bucket = 0
 
-    # ---- state: the layout-independent protocol and full state dicts live in _state.py ----------------------
-    sharded_state_dict = _state.sharded_state_dict
-    load_sharded_state_dict = _state.load_sharded_state_dict
-    model_sharded_state_dict = _state.model_sharded_state_dict
-    load_model_sharded_state_dict = _state.load_model_sharded_state_dict
-    ensure_state = (
-        _state.ensure_state
-    )  # optimizer state exists before the first step (so loaders know its keys)
-    param_groups_state = _state.param_groups_state
-    load_param_groups_state = _state.load_param_groups_state
-    state_dict = _state.state_dict
-    load_state_dict = _state.load_state_dict
+    # ---- state: the layout-independent protocol (cai.mesh.ShardedOptimizerState) and full state dicts -------
+    def sharded_state_dict(self) -> dict[str, LocalShard]:
+        """This rank's optimizer state as ``{"<param name>.<key>": LocalShard}`` (views; copy before mutating)."""
+        self._wait_gather(self.buckets)
+        return _state.optimizer_pieces(self.optim, self.buckets)
+
+    def load_sharded_state_dict(self, read: Read) -> None:
+        """Fill this rank's optimizer state from ``read(name, spec, dtype)``, whatever layout wrote it."""
+        _state.load_optimizer_pieces(self.optim, self.buckets, read)
+
+    def model_sharded_state_dict(self) -> dict[str, LocalShard]:
+        """fp32 master pieces of the trainable parameters and the frozen parameters whole, by name."""
+        return _state.master_pieces(self.buckets, self._frozen)
+
+    def load_model_sharded_state_dict(self, read: Read) -> None:
+        """Load master shards (and frozen parameters) by name, then refresh the working parameters from them."""
+        self._wait_gather(self.buckets)
+        _state.load_master_pieces(self.buckets, self._frozen, read)
+        for b in self.buckets:
+            self._gather(b, async_op=False)
+
+    def ensure_state(self) -> None:
+        """Create the optimizer state now (before the first step), so a loader knows its keys."""
+        _state.ensure_state(self.optim, self.buckets)
+
+    def param_groups_state(self) -> list[dict[str, Any]]:
+        """Hyperparameters of each param group (JSON-able), with ``params`` as the list of parameter names."""
+        return param_groups_state(self.optim.param_groups, self._group_names)
+
+    def load_param_groups_state(self, groups: list[dict[str, Any]]) -> None:
+        """Restore hyperparameters saved by :meth:`param_groups_state`; groups must hold the same parameter names."""
+        load_param_groups_state(self.optim.param_groups, self._group_names, groups, owner="ZeroOptimizer")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full optimizer state by parameter name (all-gathered on every rank, on the CPU), for plain users.
+
+        ``{"state": {name: {key: tensor}}, "param_groups": [...], "loss_scaler": {...} | None}``; a collective call.
+        """
+        self._wait_gather(self.buckets)
+        state = _state.full_state(
+            self.optim, self.buckets, device=self.device, group=self.group, world_size=self.world_size
+        )
+        return {
+            "state": state,
+            "param_groups": self.param_groups_state(),
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a dict from :meth:`state_dict` (written under any data-parallel size)."""
+        self.load_sharded_state_dict(_state.reader(sd["state"]))
+        self.load_param_groups_state(sd["param_groups"])
+        if self.scaler is not None and sd.get("loss_scaler"):
+            self.scaler.load_state_dict(sd["loss_scaler"])

@@ -213,11 +213,11 @@ class GeminiOptimizerWrapper(OptimizerWrapper):
 
     @property
     def scaler(self) -> Any:  # type: ignore[override]
-        return None  # cai-gemini's loss scaler lives in the optimizer and has no state_dict yet
+        return self.go.scaler  # cai-gemini's optimizer owns its loss scaler (None unless fp16)
 
     @scaler.setter
     def scaler(self, value: Any) -> None:
-        pass
+        pass  # the GeminiOptimizer owns its loss scaler
 
     def backward(self, loss: torch.Tensor, inputs: Any = None, retain_graph: bool = False) -> None:
         self.go.backward(loss)
