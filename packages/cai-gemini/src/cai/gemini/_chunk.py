@@ -13,8 +13,10 @@ all-gather per chunk and gradients leave through one reduce-scatter per chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,15 +81,14 @@ def _alloc(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> t
     return t
 
 
-_COPY_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _copy_stream(device: torch.device, direction: str = "down") -> torch.cuda.Stream:
-    """One side stream per device and direction (PCIe copies both ways at once)."""
-    key = (device, direction)
-    if key not in _COPY_STREAMS:
-        _COPY_STREAMS[key] = torch.cuda.Stream(device)
-    return _COPY_STREAMS[key]
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for gradients going down (the copies up use the optimizer's HostStepper)."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 def _free_pinned(t: torch.Tensor) -> None:
@@ -439,12 +440,12 @@ class Chunk:
         event.record()
         return event
 
-    def write_back(self, *, io_written: bool = False, after: torch.cuda.Event | None = None) -> None:
+    def write_back(self, *, io_written: bool = False, copy_up: Callable[..., Any] | None = None) -> None:
         """Copy the updated fp32 master shard into the working shard; re-gather a kept-gathered chunk.
 
         ``io_written``: the optimizer already wrote the new working-precision values into ``io``.
-        ``after``: copy up on the side stream once this event has passed (from a worker thread, during
-        backward); the compute stream must then ``join_up()`` before it reads the shard.
+        ``copy_up(io, into=shard)``: copy up through a ``HostStepper`` (from its worker, during backward) instead of
+        on the current stream; the compute stream must then ``join_up()`` before it reads the shard.
         """
         assert self.master is not None and self.shard is not None
         if self.io is not None:
@@ -456,10 +457,9 @@ class Chunk:
             if self.shard.device.type != "cuda":
                 self.shard.copy_(self.io)
                 return
-            stream = _copy_stream(self.shard.device, "up") if after is not None else None
-            with torch.cuda.stream(stream):  # None: the current stream
-                if after is not None:
-                    stream.wait_event(after)  # type: ignore[union-attr]
+            if copy_up is not None:
+                _, self._up = copy_up(self.io, into=self.shard)
+            else:
                 self.shard.copy_(self.io, non_blocking=True)
                 self._up = torch.cuda.Event()
                 self._up.record()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -13,18 +14,10 @@ import torch.distributed as dist
 from cai.gemini._chunk import Chunk
 from cai.gemini._model import GeminiModel
 from cai.gemini._state import gather_full, iter_pieces
-from cai.kernels.optim import DynamicLossScaler, adam_update
+from cai.kernels.optim import DynamicLossScaler, HostStepper, adam_step, adamw_mode
 from cai.mesh import LocalShard, Read, ShardSpec, load_param_groups_state, param_groups_state
 
 __all__ = ["GeminiOptimizer"]
-
-
-def _adamw_mode(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    if "adamw_mode" in group:  # cai.kernels HybridAdam / CPUAdam / FusedAdam
-        return bool(group["adamw_mode"])
-    if isinstance(optimizer, torch.optim.AdamW):
-        return True
-    return bool(group.get("decoupled_weight_decay", False))
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -118,7 +111,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             for c, lo, hi in segs:
                 self._by_chunk.setdefault(c.index, []).append((gi, lo, hi))
         self._steps = [0] * len(self.param_groups)
-        self._pool: ThreadPoolExecutor | None = None
+        self._stepper: HostStepper | None = None  # created at the first overlapped host step
         self._early: dict[int, Future] = {}
         model.attach_optimizer(
             scaler=self.scaler, on_reduced=self._on_reduced if model.config.overlap_host_step else None
@@ -260,20 +253,14 @@ class GeminiOptimizer(torch.optim.Optimizer):
             c.wait_up()
         for gi, lo, hi in self._by_chunk.get(c.index, ()):
             group = self.param_groups[gi]
-            beta1, beta2 = group["betas"]
-            adam_update(
+            adam_step(
                 c.master[lo:hi],
                 g[lo:hi] if g is not None else torch.zeros_like(c.master[lo:hi]),
                 st["exp_avg"][lo:hi],
                 st["exp_avg_sq"][lo:hi],
+                group,
                 step=steps[gi],
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adamw_mode=_adamw_mode(self.optim, group),
-                bias_correction=bool(group.get("bias_correction", True)),
+                adamw=adamw_mode(self.optim, group),
                 out=c.io[lo:hi] if direct else None,  # type: ignore[index]  # grad read before param written
                 num_threads=num_threads,
             )
@@ -282,25 +269,28 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     def _on_reduced(self, c: Chunk) -> None:
         # [Note: overlapped host step] the chunk's gradient is final (one synchronised backward per step, no
-        # clipping, no loss scale): update its host shard on a worker thread while backward goes on (the native
-        # CPU Adam releases the GIL and leaves one core to the thread that feeds the GPU), then start the copy of
-        # the new parameters up on a side stream. The chunks reduced last in backward are the first the next
-        # forward needs, so the copies of all the others are hidden behind the remaining host updates. ``step``
-        # joins the worker and makes the compute stream wait for the copies.
+        # clipping, no loss scale): update its host shard on the stepper's worker while backward goes on, then
+        # start the copy of the new parameters up on its side stream (see [Note: host Adam stepper] in
+        # cai-kernels). The chunks reduced last in backward are the first the next forward needs, so the copies
+        # of all the others are hidden behind the remaining host updates. ``step`` joins the worker and makes the
+        # compute stream wait for the copies.
         if c.io is None or c.master is None or c.index in self._early:
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="gemini-host-adam")
+        if self._stepper is None:
+            self._stepper = HostStepper(self.model.device, name="gemini-host-adam")
         self._state(c)  # allocate on the main thread
         after = c.mark_shard_reads()  # the compute stream's last read of the device shard, on this thread
-        self._early[c.index] = self._pool.submit(self._update_early, c, self._next_steps(), after)
+        self._early[c.index] = self._stepper.submit(self._update_early, c, self._next_steps(), after)
 
     def _update_early(self, c: Chunk, steps: list[int], after: torch.cuda.Event | None) -> bool:
         """Worker thread: the chunk's update, then its copy up unless a collective is needed (step does it)."""
-        self._update_chunk(c, steps, num_threads=max(1, torch.get_num_threads() - 1))
+        self._update_chunk(c, steps, num_threads=HostStepper.worker_threads())
         if c.keep_gathered and c.world_size > 1:
             return False  # re-gathering is a collective: keep those on the main thread, in order
-        c.write_back(io_written=c.index in self._direct, after=after)
+        assert self._stepper is not None
+        c.write_back(
+            io_written=c.index in self._direct, copy_up=functools.partial(self._stepper.copy_up, after=after)
+        )
         return True
 
     # ---- state ----------------------------------------------------------------------------------------------

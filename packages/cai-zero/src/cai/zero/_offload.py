@@ -6,54 +6,53 @@ per-bucket landing buffer that becomes the master shard's ``.grad`` as is (bf16 
 reads low-precision gradients directly, so there is no host upcast pass). With a cai.kernels Adam the step runs
 bucket by bucket through ``adam_update(..., out=pinned working-dtype buffer)``, which writes the new parameters,
 already cast, in the same pass; bucket i's host-to-device copy and all-gather then overlap bucket i+1's CPU step.
-With ``overlap_cpu_step`` each bucket's CPU step starts on a worker thread as soon as its gradient has landed,
-i.e. during backward, and starts its host-to-device copy on a side stream; ``step()`` then only orders the compute
-stream after those copies and all-gathers. Backward reduces the last buckets first, so every copy but the last
-bucket's hides behind the CPU steps still running. Collectives are issued on the main thread only, so every rank
-keeps the same collective order.
+With ``overlap_cpu_step`` each bucket's CPU step starts on cai.kernels' ``HostStepper`` worker as soon as its
+gradient has landed, i.e. during backward, and starts its host-to-device copy on the stepper's side stream (see
+[Note: host Adam stepper] in cai-kernels); ``step()`` then only orders the compute stream after those copies and
+all-gathers. Backward reduces the last buckets first, so every copy but the last bucket's hides behind the CPU
+steps still running. Collectives are issued on the main thread only, so every rank keeps the same collective order.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
-from cai.kernels.optim import CPUAdam, adam_update
-
-if TYPE_CHECKING:
-    from cai.zero._bucket import Bucket
-    from cai.zero._optimizer import ZeroOptimizer
+from cai.kernels.optim import CPUAdam, HostStepper, adam_step, adamw_mode
+from cai.zero._bucket import Bucket
 
 
 class HostOffload:
-    def __init__(self, zo: ZeroOptimizer) -> None:
-        self.zo = zo
-        self.cuda = zo.device.type == "cuda"
+    """Host masters' gradients, steps and copies back for ``optim`` (stepping the buckets' master shards).
+
+    ``overlap``: step each bucket on the worker during backward; ``scaled``: an fp16 loss scale is in use.
+    """
+
+    def __init__(
+        self, optim: torch.optim.Optimizer, *, device: torch.device, overlap: bool, scaled: bool
+    ) -> None:
+        self.optim = optim
+        self.device = device
+        self.cuda = device.type == "cuda"
         # our own bucket-wise step with the copy-out fused in; other optimizers run their own step() on the host
-        self.fast = isinstance(zo.optim, CPUAdam)
-        self.pool = (
-            ThreadPoolExecutor(1, thread_name_prefix="cai-zero-cpu-step")
-            if zo.config.overlap_cpu_step
-            else None
-        )
-        if self.pool is not None and (not self.fast or zo.scaler is not None):
+        self.fast = isinstance(optim, CPUAdam)
+        if overlap and (not self.fast or scaled):
             raise ValueError(
                 "ZeroOptimizer: overlap_cpu_step=True needs cai.kernels.optim.CPUAdam/HybridAdam and bf16/fp32 "
-                f"parameters (got {type(zo.optim).__name__}, loss scaling {zo.scaler is not None})"
+                f"parameters (got {type(optim).__name__}, loss scaling {scaled})"
             )
+        self.stepper = HostStepper(device, name="cai-zero-cpu-step") if overlap else None
         self._grad_buf: dict[int, torch.Tensor] = {}
         self._param_buf: dict[int, torch.Tensor] = {}
         self._landed: dict[int, torch.cuda.Event] = {}
         self._copied_back: dict[int, torch.cuda.Event] = {}
         self._sent_up: dict[int, torch.Tensor] = {}  # device shards copied up by the worker, not yet gathered
-        self._up_stream = torch.cuda.Stream(zo.device) if self.cuda and self.pool is not None else None
         self._futures: dict[int, Future] = {}
         # buckets whose pinned parameter buffer holds the latest step's output
         self._written: set[int] = set()
-        # while overlapped with backward, leave one core to the Python thread that feeds the GPU
-        self._threads = max(1, torch.get_num_threads() - 1) if self.pool is not None else None
+        self._threads = HostStepper.worker_threads() if overlap else None
 
     def _buffer(self, cache: dict, b: Bucket, dtype: torch.dtype) -> torch.Tensor:
         buf = cache.get(b.index)
@@ -71,10 +70,10 @@ class HostOffload:
                 event.record()  # on the stream that reduced the shard
                 self._landed[b.index] = event
             b.grad_shard = buf
-            if self.pool is not None:
-                self._futures[b.index] = self.pool.submit(self.step_bucket, b, send_up=True)
+            if self.stepper is not None:
+                self._futures[b.index] = self.stepper.submit(self.step_bucket, b, send_up=True)
             return
-        if self.pool is not None:
+        if self.stepper is not None:
             raise RuntimeError(
                 "ZeroOptimizer: overlap_cpu_step=True allows one synchronising backward per step; accumulate the "
                 "other micro-steps under no_sync()"
@@ -96,41 +95,35 @@ class HostOffload:
 
     def step_bucket(self, b: Bucket, *, send_up: bool = False) -> None:
         """One Adam step of the bucket's master shard, writing the working-dtype copy into a pinned buffer
-        (``send_up``: and start its copy to the device on the side stream)."""
+        (``send_up``: and start its copy to the device on the stepper's side stream)."""
         self.settle(b)
         done = self._copied_back.pop(b.index, None)
         if done is not None:
             done.synchronize()  # the previous step's copy back still reads the pinned buffer
         if b.grad_shard is None:
             return
-        opt = self.zo.optim
-        group = opt.param_groups[b.group_index]
-        state = opt.state[b.master]
+        group = self.optim.param_groups[b.group_index]
+        state = self.optim.state[b.master]
         if not state:  # the layout and names of cai.kernels' Adam state (torch Adam's)
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(b.master)
             state["exp_avg_sq"] = torch.zeros_like(b.master)
         state["step"] += 1
-        beta1, beta2 = group["betas"]
-        adam_update(
-            b.master, b.grad_shard, state["exp_avg"], state["exp_avg_sq"],
-            step=state["step"].item(), lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw_mode=group.get("adamw_mode", True),
-            bias_correction=group.get("bias_correction", True), out=self._buffer(self._param_buf, b, b.dtype),
-            num_threads=self._threads,
+        buf = self._buffer(self._param_buf, b, b.dtype)
+        adam_step(
+            b.master, b.grad_shard, state["exp_avg"], state["exp_avg_sq"], group,
+            step=state["step"].item(), adamw=adamw_mode(self.optim, group), out=buf, num_threads=self._threads,
         )  # fmt: skip
         self._written.add(b.index)
-        if send_up and self._up_stream is not None:
-            with torch.cuda.stream(self._up_stream):
-                self._sent_up[b.index] = self.device_shard(b)
+        if send_up and self.stepper is not None and self.cuda:
+            self._written.discard(b.index)
+            self._sent_up[b.index], self._copied_back[b.index] = self.stepper.copy_up(buf)
 
     def device_shard(self, b: Bucket) -> torch.Tensor:
         """The updated shard in the working dtype, on the device (asynchronous from pinned memory)."""
         sent = self._sent_up.pop(b.index, None)
         if sent is not None:  # copied up on the side stream by the worker
-            main = torch.cuda.current_stream(self.zo.device)
-            main.wait_event(self._copied_back[b.index])
-            sent.record_stream(main)  # allocated on the side stream, read on this one
+            self.stepper.join(self._copied_back[b.index], sent)  # type: ignore[union-attr]
             return sent
         buf = self._buffer(self._param_buf, b, b.dtype)
         if b.index in self._written:
@@ -140,36 +133,32 @@ class HostOffload:
             if done is not None:
                 done.synchronize()
             buf.copy_(b.master)
-        shard = buf.to(self.zo.device, non_blocking=self.cuda)
+        shard = buf.to(self.device, non_blocking=self.cuda)
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
             self._copied_back[b.index] = event
         return shard
 
-    def step(self) -> None:
-        """Update every bucket and all-gather it, bucket by bucket (CPU step of i+1 overlaps the copy of i)."""
-        zo = self.zo
+    def step(self, buckets: list[Bucket], gather: Callable[[Bucket], None]) -> None:
+        """Update every bucket and ``gather`` it, bucket by bucket (CPU step of i+1 overlaps the copy of i)."""
         if not self.fast:
-            for b in zo.buckets:
+            for b in buckets:
                 b.master.grad = b.grad_shard  # fp32: land() only aliases other dtypes for the fast path
-            zo.optim.step()
-            for b in zo.buckets:
+            self.optim.step()
+            for b in buckets:
                 b.master.grad = None
-        for b in zo.buckets:
+        for b in buckets:
             if self.fast:
                 future = self._futures.pop(b.index, None)
                 future.result() if future is not None else self.step_bucket(b)
-            zo._gather(b, async_op=zo.config.overlap_allgather)
+            gather(b)
 
-    def wait_all(self) -> None:
+    def wait_all(self, buckets: list[Bucket]) -> None:
         if self._futures:
             raise RuntimeError(
                 "ZeroOptimizer: with overlap_cpu_step=True the CPU step already ran during backward; call step() "
                 "before zero_grad()"
             )
-        for b in self.zo.buckets:
-            future = self._futures.pop(b.index, None)
-            if future is not None:
-                future.result()
+        for b in buckets:
             self.settle(b)

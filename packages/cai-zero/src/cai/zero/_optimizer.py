@@ -154,7 +154,13 @@ class ZeroOptimizer:
             if n not in self._slots
         }
 
-        self._host = HostOffload(self) if config.cpu_offload else None
+        self._host = (
+            HostOffload(
+                optimizer, device=self.device, overlap=config.overlap_cpu_step, scaled=self.scaler is not None
+            )
+            if config.cpu_offload
+            else None
+        )
         self._sync = True
         self._accumulated = False  # a no_sync() backward left gradients in buckets since the last reduction
         self._in_backward = False
@@ -432,7 +438,8 @@ class ZeroOptimizer:
         if self.config.max_norm > 0:
             self.clip_grad_norm(self.config.max_norm)
         if self._host is not None:
-            self._host.step()  # steps and gathers bucket by bucket
+            # steps and gathers bucket by bucket
+            self._host.step(self.buckets, lambda b: self._gather(b, async_op=self.config.overlap_allgather))
         else:
             self._device_step()
             self._gather_all()
@@ -470,7 +477,7 @@ class ZeroOptimizer:
         """Drop every gradient: master shards, buckets (including no_sync accumulation) and working params."""
         self._wait_comm()
         if self._host is not None:
-            self._host.wait_all()
+            self._host.wait_all(self.buckets)
         for b in self.buckets:
             b.grad_shard = None
             b.grad = None
