@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from cai.gemini._memory import DEVICE, HOST, MemoryTracker
+from cai.kernels.optim import accumulate_grad_shard
 from cai.mesh import all_gather_into_tensor, reduce_scatter_tensor
 
 __all__ = ["Chunk", "ChunkFullError", "TensorInfo", "TensorState"]
@@ -334,12 +335,16 @@ class Chunk:
     def _accumulate(self, shard_grad: torch.Tensor) -> None:
         if self.optim_location == DEVICE:
             g = shard_grad.to(self.master.device)  # type: ignore[union-attr]
-            if g.dtype != torch.float32 and not self.grad32_valid and self.grad_lp is None:
+            acc = self.grad_lp if self.grad_lp is not None else (self.grad32 if self.grad32_valid else None)
+            # see [Note: working-precision gradient shard] in cai-kernels
+            if accumulate_grad_shard(acc, g, fp32=self._grad32_buffer) is g:
                 self.grad_lp = g  # one process: the gradient buffer itself, no copy
                 self.tracker.add(DEVICE, "grad_lp", self._bytes(g))
                 return
-            self._lp_to_grad32()
-            self._fold(g)
+            if self.grad_lp is not None:
+                self.tracker.add(DEVICE, "grad_lp", -self._bytes(self.grad_lp))
+                self.grad_lp = None
+            self.grad32_valid = True
             return
         assert self.io is not None
         if self.io_has_grad or shard_grad.dtype != self.io.dtype:
@@ -375,15 +380,19 @@ class Chunk:
             self._up.synchronize()
             self._up = None
 
-    def _fold(self, g: torch.Tensor) -> None:
+    def _grad32_buffer(self) -> torch.Tensor:
+        """The fp32 gradient shard, allocated when first needed and kept across steps, at ``optim_location``."""
         if self.grad32 is None:
             assert self.master is not None
             self.grad32 = torch.zeros_like(self.master)
             self.tracker.add(self.optim_location, "grad32", self._bytes(self.grad32))
+        return self.grad32
+
+    def _fold(self, g: torch.Tensor) -> None:
         if self.grad32_valid:
-            self.grad32.add_(g)
+            self._grad32_buffer().add_(g)
         else:
-            self.grad32.copy_(g)
+            self._grad32_buffer().copy_(g)
             self.grad32_valid = True
 
     def _lp_to_grad32(self) -> None:

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 import torch
 
-from cai.kernels.optim import CPUAdam, HostStepper, adam_step, adamw_mode
+from cai.kernels.optim import CPUAdam, HostStepper, accumulate_grad_shard, adam_step, adamw_mode
 from cai.zero._bucket import Bucket
 
 
@@ -79,13 +79,9 @@ class HostOffload:
                 "other micro-steps under no_sync()"
             )
         self.settle(b)
-        g = shard.to("cpu", torch.float32, copy=True)
-        if b.grad_shard is None:
-            b.grad_shard = g.mul_(inv_scale) if inv_scale != 1.0 else g
-        else:
-            if b.grad_shard.dtype != torch.float32:
-                b.grad_shard = b.grad_shard.float()
-            b.grad_shard.add_(g, alpha=inv_scale)
+        b.grad_shard = accumulate_grad_shard(
+            b.grad_shard, shard.to("cpu", torch.float32, copy=True), scale=inv_scale
+        )
 
     def settle(self, b: Bucket) -> None:
         """Wait until the bucket's device-to-host gradient copy has finished."""

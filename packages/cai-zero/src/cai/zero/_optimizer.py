@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cai.kernels.optim import DynamicLossScaler, LossScaleConfig
+from cai.kernels.optim import DynamicLossScaler, LossScaleConfig, accumulate_grad_shard
 from cai.mesh import (
     LocalShard,
     Read,
@@ -316,16 +316,10 @@ class ZeroOptimizer:
         inv = 1.0 / self.scaler.scale if self.scaler else 1.0
         if self._host is not None:
             self._host.land(b, shard, inv)
-        elif b.grad_shard is None and inv == 1.0:
-            # one reduction's gradient, kept in the dtype it was reduced in: its values exactly, at half the memory
-            # of fp32 for bf16 (a view into an all-reduced bucket is copied, so the bucket is not kept alive)
-            b.grad_shard = shard if owned else shard.clone()
-        elif b.grad_shard is None:
-            b.grad_shard = shard.to(dtype=torch.float32, copy=True).mul_(inv)
         else:
-            if b.grad_shard.dtype != torch.float32:  # a second micro-step: sum in fp32
-                b.grad_shard = b.grad_shard.float()
-            b.grad_shard.add_(shard, alpha=inv)
+            # one reduction's gradient stays in the dtype it was reduced in (see [Note: working-precision gradient
+            # shard] in cai-kernels); a view into an all-reduced bucket is copied, so the bucket is not kept alive
+            b.grad_shard = accumulate_grad_shard(b.grad_shard, shard, scale=inv, owned=owned)
 
     def _wait_comm(self) -> None:
         if self._stream is not None:
