@@ -352,7 +352,7 @@ class Chunk:
             self._io_to_grad32()
             self._fold(shard_grad.to("cpu"))
             return
-        self._wait_up()
+        self.wait_up()
         self.io_has_grad = True
         self.tracker.moved["d2h"] += self._bytes(self.io)
         if shard_grad.device.type != "cuda":
@@ -367,15 +367,13 @@ class Chunk:
             self._down.record(side)
         shard_grad.record_stream(side)  # its memory is not reused before the copy has read it
 
-    def wait_up(self) -> None:
-        self._wait_up()
-
     def join_up(self) -> None:
         """Order the current stream after the copy up of the parameters (no host wait)."""
         if self._up is not None:
             torch.cuda.current_stream(self.device).wait_event(self._up)
 
-    def _wait_up(self) -> None:
+    def wait_up(self) -> None:
+        """Wait until the copy of the parameters out of ``io`` has finished (before ``io`` is written again)."""
         if self._up is not None:
             self._up.synchronize()
             self._up = None
@@ -412,10 +410,6 @@ class Chunk:
         if self._down is not None:
             self._down.synchronize()
             self._down = None
-
-    @property
-    def has_grad(self) -> bool:
-        return self.grad32_valid or self.io_has_grad or self.grad_lp is not None
 
     def step_grad(self, *, fp32: bool = False) -> torch.Tensor | None:
         """The accumulated gradient shard for the update (the host buffer itself when one micro-batch
@@ -459,7 +453,7 @@ class Chunk:
         assert self.master is not None and self.shard is not None
         if self.io is not None:
             # cast on the host into the pinned buffer, then one asynchronous host-to-device copy
-            self._wait_up()
+            self.wait_up()
             self.io_has_grad = False
             if not io_written:
                 self.io.copy_(self.master)
@@ -503,7 +497,7 @@ class Chunk:
             return states
         self._io_to_grad32()
         self._lp_to_grad32()
-        self._wait_up()
+        self.wait_up()
         dev = self.device if to == DEVICE else torch.device("cpu")
         self.master = self.master.to(dev, copy=True)
         self.tracker.move("master", self._bytes(self.master), to=to)

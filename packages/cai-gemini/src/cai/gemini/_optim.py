@@ -374,6 +374,3 @@ class GeminiOptimizer(torch.optim.Optimizer):
             self.load_sharded_state_dict(read)
         if self.scaler is not None and state_dict.get("loss_scaler"):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
-
-    def memory_location(self) -> dict[int, str]:
-        return {c.index: c.optim_location for c in self._trainable()}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,11 +136,3 @@ def search_chunk_size(
 def default_interval(hidden_dim: int | None, search_interval: int | None) -> int:
     """The search step: an explicit interval, else the hidden size, else 1024."""
     return int(search_interval or hidden_dim or 1024)
-
-
-def bytes_to_m(nbytes: int) -> float:
-    return nbytes / _M
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)

@@ -425,7 +425,7 @@ class ZeroOptimizer:
                 logger.warning(
                     "fp16 gradient overflow in param group(s) %s at step %d: step skipped, loss scale %g -> %g "
                     "(%d overflow(s) so far)",
-                    bad, self._step_count, old, self.scaler.scale, self.scaler.overflow_count,
+                    bad, self._step_count, old, self.scaler.scale, self.scaler.skipped_steps,
                 )  # fmt: skip
                 self.zero_grad()
                 return
