@@ -217,7 +217,7 @@ def config_from_kwargs(args: PluginArgs, config_type: type, config: Any, kwargs:
         hints = {n: difflib.get_close_matches(n, args.names(), n=1) for n in unknown}
         said = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for n, h in hints.items())
         raise TypeError(
-            f"{owner}() got unexpected keyword arguments {said}; it takes {', '.join(args.names())}"
+            f"{owner}() got unexpected keyword arguments {said}; it takes config= or {', '.join(args.names())}"
         )
     for row in args.rejected:
         values = {n: kwargs.get(n, row.ok) for n in row.names}
