@@ -155,6 +155,8 @@ def test_config_and_a_conflicting_keyword() -> None:
 def test_wrong_config_type_and_unknown_keywords() -> None:
     with raises(TypeError, "LowLevelZeroPlugin: config=ZeroConfig(...) is not a LowLevelZeroConfig"):
         LowLevelZeroPlugin(config=ZeroConfig())
+    with raises(TypeError, "LowLevelZeroConfig: zero={'stage': 2} is not a cai.zero.ZeroConfig"):
+        LowLevelZeroConfig(zero={"stage": 2})
     with raises(
         TypeError,
         "GeminiPlugin() got unexpected keyword arguments 'ofload_optim_frac'",

@@ -70,7 +70,16 @@ class LowLevelZeroConfig:
     cast_inputs: bool = True
 
     def __post_init__(self) -> None:
+        from cai.zero import LossScaleConfig, ZeroConfig
+
         check_precision(self.precision, _PRECISIONS, owner="LowLevelZeroPlugin")
+        for name, cls in (("zero", ZeroConfig), ("loss_scale", LossScaleConfig)):
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise TypeError(
+                    f"LowLevelZeroConfig: {name}={value!r} is not a cai.zero.{cls.__name__}; pass "
+                    f"{name}={cls.__name__}(...)"
+                )
 
 
 class LowLevelZeroPlugin(DPPluginBase):
