@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cai.mesh import LocalShard, ShardSpec, param_groups_state
+from cai.mesh import LocalShard, ShardSpec
 
 
 def param_name_map(optimizer: torch.optim.Optimizer, param_names: Any) -> dict[int, str]:
@@ -63,8 +63,13 @@ class TorchOptimizerAdapter:
         return out
 
     def param_groups_state(self) -> list[dict[str, Any]]:
-        names = [[self.names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
-        return param_groups_state(self.optimizer.param_groups, names)
+        return [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [self.names[id(p)] for p in g["params"]],
+            }
+            for g in self.optimizer.param_groups
+        ]
 
     def load(
         self, groups: list[dict[str, Any]], tensors: dict[str, torch.Tensor], scalars: dict[str, dict]
