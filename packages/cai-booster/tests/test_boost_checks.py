@@ -4,6 +4,8 @@ clear errors that replace crashes deep inside torch when the Booster API is misu
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -248,6 +250,7 @@ def test_boosting_a_model_twice_is_refused() -> None:
     model, opt, *_ = booster.boost(raw, torch.optim.AdamW(raw.parameters(), lr=1e-3))
     with pytest.raises(ValueError, match=r"already boosted by TorchDDPPlugin"):
         booster.boost(raw)
+    booster.boost(copy.deepcopy(raw))  # a copy is another model
     with pytest.raises(ValueError, match=r"already boosted .*ModelWrapper"):
         booster.boost(model)
     with pytest.raises(ValueError, match=r"optimizer is already boosted"):

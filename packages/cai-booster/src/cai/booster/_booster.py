@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,9 @@ from cai.booster.plugin import PLUGINS, BoostContext, Plugin, TorchDDPPlugin
 
 __all__ = ["Booster"]
 
-# Set on the user's module once boost() succeeded: plugins shard or wrap it in place, so a second boost() of the
-# same module would shard it twice.
-_BOOSTED_ATTR = "_cai_boosted_by"
+# The user's modules that boost() sharded or wrapped in place, with the plugin's name: a second boost() of the same
+# module would shard it twice. Weak, and outside the module, so that a copy.deepcopy of a module can be boosted.
+_BOOSTED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 def _names(predicate: Callable[[type], bool]) -> str:
@@ -114,7 +115,7 @@ class Booster:
                 "Booster.boost: the model is already boosted (it is the ModelWrapper that boost() returned); boost "
                 "each model once and keep using the returned model"
             )
-        done = getattr(model, _BOOSTED_ATTR, None)
+        done = _BOOSTED.get(model)
         if done is not None:
             raise ValueError(
                 f"Booster.boost: this {type(model).__name__} was already boosted by {done}, which sharded or "
@@ -129,7 +130,7 @@ class Booster:
         )
         self.plugin.sync_replicas(model)
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, ctx)
-        object.__setattr__(model, _BOOSTED_ATTR, self.plugin.name)
+        _BOOSTED[model] = self.plugin.name
         return boosted
 
     # ---- training-step helpers ---------------------------------------------------------------------------
