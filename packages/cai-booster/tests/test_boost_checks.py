@@ -172,6 +172,12 @@ def _gemini_state_dict(only_rank_0: bool) -> dict:
     model.load_state_dict({k: v + 1 for k, v in full[0].items()})
     model.load_state_dict(full[0])
     out["reloaded"] = model.state_dict(only_rank_0=False)
+    # strict=False loads the names given and keeps the others
+    result = model.load_state_dict(
+        {"ln_f.bias": full[0]["ln_f.bias"] + 1, "unknown": torch.ones(1)}, strict=False
+    )
+    out["partial"] = model.state_dict(only_rank_0=False)
+    out["partial_keys"] = (len(result.missing_keys), result.unexpected_keys)
     if world > 1 and rank == 1 and only_rank_0:
         try:
             model.load_state_dict(sd)
@@ -203,6 +209,9 @@ def test_gemini_state_dict_is_the_full_unsharded_model(world: int, only_rank_0: 
             assert_close(r["sd"], expected, rtol=1e-4, atol=1e-6, name=f"rank {rank}")
             assert all(v.dtype == torch.float32 for v in r["sd"].values())
         assert_close(r["reloaded"], results[0]["sd"], rtol=0, name=f"rank {rank} reloaded")
+        partial = dict(results[0]["sd"], **{"ln_f.bias": results[0]["sd"]["ln_f.bias"] + 1})
+        assert_close(r["partial"], partial, rtol=0, name=f"rank {rank} partial load")
+        assert r["partial_keys"] == (len(expected) - 2, ["unknown"])  # all but ln_f.bias and the tied alias
     # what torch.save(model.state_dict()) wrote loads into the plain model
     plain = TinyTransformer(seed=1, tie_embeddings=True)
     plain.load_state_dict(results[0]["sd"])

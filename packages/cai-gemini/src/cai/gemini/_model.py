@@ -349,7 +349,15 @@ class GeminiModel(nn.Module):
             raise KeyError(
                 f"GeminiModel.load_state_dict: missing keys {missing}, unexpected keys {unexpected}{hint}"
             )
-        self.load_sharded_state_dict(lambda name, spec, dtype: spec.cut(state_dict[name]).to(dtype))
+        # strict=False: a missing name keeps this rank's current piece (copied onto itself), with no collective
+        current = self.sharded_state_dict() if missing else {}
+
+        def read(name: str, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+            if name in state_dict:
+                return spec.cut(state_dict[name]).to(dtype)
+            return current[name].tensor.to(dtype, copy=True)
+
+        self.load_sharded_state_dict(read)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def remove_hooks(self) -> None:
