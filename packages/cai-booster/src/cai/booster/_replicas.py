@@ -30,7 +30,7 @@ from torch import nn
 
 from cai.mesh import get_dist_logger
 
-__all__ = ["broadcast_tensors", "sync_replicas"]
+__all__ = ["broadcast_tensors", "first_difference", "sync_replicas"]
 
 _BUCKET_BYTES = 256 * 2**20  # bounds the extra memory of the flat copies on large models
 
@@ -82,12 +82,7 @@ def first_difference(per_rank: list[list[_Entry]], ranks: list[int]) -> tuple[st
             continue
         for i in holders[1:]:
             other = by_rank[i][name]
-            if (other.kind, other.shape, other.dtype, other.lazy) != (
-                ref.kind,
-                ref.shape,
-                ref.dtype,
-                ref.lazy,
-            ):
+            if other != ref:  # same name: kind, shape, dtype or laziness differ
                 messages.append(
                     f"{ref.kind} {name!r} has {ref.describe()} on rank {ranks[holders[0]]} but "
                     f"{other.describe()} on rank {ranks[i]}"
