@@ -11,6 +11,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from cai.mesh._cli_wait import wait_for_nodes
+
 __all__ = ["add_run_parser", "read_hostfile", "run_command", "select_hosts", "torchrun_args"]
 
 # Environment variables forwarded to remote nodes: the ones that change how Python, CUDA, NCCL and torch behave.
@@ -29,6 +31,64 @@ _FORWARD_PREFIXES = (
 )
 _FORWARD_NAMES = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "MKL_NUM_THREADS")
 
+# How long a static multi-node launch waits for all nodes; torchrun's own static default, now with progress lines.
+DEFAULT_RDZV_TIMEOUT_S = 600.0
+
+
+def _int_at_least(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{what} must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1..65535)") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (1..65535)")
+    return value
+
+
+def _nnodes(text: str) -> str:
+    parts = text.split(":")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        sizes = []
+    if len(parts) > 2 or not sizes or min(sizes) < 1 or sizes != sorted(sizes):
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX with 1 <= MIN <= MAX")
+    return text
+
+
+def _endpoint(text: str) -> str:
+    # torchrun's own parser, so that what passes here is what torchrun accepts (HOST, HOST:PORT, [IPv6]:PORT).
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:
+        parse_rendezvous_endpoint(text, default_port=29400)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value:g}")
+    return value
+
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -40,17 +100,22 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--nproc_per_node",
         "--nproc-per-node",
-        type=int,
+        type=_int_at_least(1, "the number of processes"),
         default=None,
         help="processes per node (default: number of GPUs, else 1)",
     )
     p.add_argument(
         "--nnodes",
+        type=_nnodes,
         default=None,
         help="number of nodes, or MIN:MAX for elastic jobs (default: 1, or the number of hosts)",
     )
     p.add_argument(
-        "--node_rank", "--node-rank", type=int, default=0, help="rank of this node (single-node form only)"
+        "--node_rank",
+        "--node-rank",
+        type=_int_at_least(0, "a node rank"),
+        default=0,
+        help="rank of this node (single-node form only)",
     )
     p.add_argument(
         "--master_addr",
@@ -58,14 +123,24 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="rank 0's address (default 127.0.0.1, or the first host)",
     )
-    p.add_argument("--master_port", "--master-port", type=int, default=29500)
+    p.add_argument("--master_port", "--master-port", type=_port, default=29500)
     p.add_argument(
         "--rdzv_backend", "--rdzv-backend", default=None, help="torchrun rendezvous backend, e.g. c10d"
     )
-    p.add_argument("--rdzv_endpoint", "--rdzv-endpoint", default=None, help="host:port of the rendezvous")
+    p.add_argument(
+        "--rdzv_endpoint", "--rdzv-endpoint", type=_endpoint, default=None, help="host:port of the rendezvous"
+    )
     p.add_argument("--rdzv_id", "--rdzv-id", default=None, help="job id shared by all nodes")
     p.add_argument("--rdzv_conf", "--rdzv-conf", default=None, help="extra rendezvous config key=value,...")
-    p.add_argument("--max_restarts", "--max-restarts", type=int, default=None)
+    p.add_argument(
+        "--rdzv_timeout",
+        "--rdzv-timeout",
+        type=_seconds,
+        default=DEFAULT_RDZV_TIMEOUT_S,
+        help=f"seconds a multi-node launch (--nnodes N) waits for every node to start, printing the missing "
+        f"ones, before it gives up (default {DEFAULT_RDZV_TIMEOUT_S:g})",
+    )
+    p.add_argument("--max_restarts", "--max-restarts", type=_int_at_least(0, "--max_restarts"), default=None)
     p.add_argument("--standalone", action="store_true", help="single-node rendezvous on a free port")
     p.add_argument("-H", "--host", default=None, help="comma-separated hosts (instead of --hostfile)")
     p.add_argument("--hostfile", default=None, help="file with one hostname per line ('#' comments)")
@@ -74,7 +149,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--num_nodes", "--num-nodes", type=int, default=-1, help="use only the first N selected hosts"
     )
-    p.add_argument("--ssh_port", "--ssh-port", type=int, default=None)
+    p.add_argument("--ssh_port", "--ssh-port", type=_port, default=None)
     p.add_argument(
         "--extra_launch_args", default=None, help="more torchrun arguments: 'a=1,b' becomes '--a=1 --b'"
     )
@@ -173,33 +248,37 @@ def torchrun_args(args: argparse.Namespace, *, nnodes: str, node_rank: int, mast
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        print(f"cai run: --nproc_per_node must be >= 1, got {args.nproc_per_node}", file=sys.stderr)
-        return 2
     if not args.module and not args.script.endswith(".py"):
         print(f"cai run: {args.script!r} is not a .py file; use -m to run a module", file=sys.stderr)
         return 2
-    if not (args.hostfile or args.host):
+    if args.hostfile is None and args.host is None:
         if args.include or args.exclude:
             print("cai run: --include/--exclude need --hostfile or --host", file=sys.stderr)
             return 2
+        nnodes = args.nnodes or "1"
+        if nnodes.isdigit() and args.node_rank >= int(nnodes):
+            print(f"cai run: --node_rank {args.node_rank} must be < --nnodes {nnodes}", file=sys.stderr)
+            return 2
+        master_addr = args.master_addr or "127.0.0.1"
         cmd = [sys.executable, "-m", "torch.distributed.run"]
-        cmd += torchrun_args(
-            args,
-            nnodes=args.nnodes or "1",
-            node_rank=args.node_rank,
-            master_addr=args.master_addr or "127.0.0.1",
-        )
+        cmd += torchrun_args(args, nnodes=nnodes, node_rank=args.node_rank, master_addr=master_addr)
         if args.dry_run:
             print(shlex.join(cmd))
             return 0
+        if nnodes.isdigit() and int(nnodes) > 1 and not (args.standalone or args.rdzv_endpoint):
+            try:
+                wait_for_nodes(master_addr, args.master_port, int(nnodes), args.node_rank, args.rdzv_timeout)
+            except Exception as e:  # NodeWaitTimeout, or node 0's store failing under this node
+                print(f"cai run: {e}", file=sys.stderr, flush=True)
+                return 1
         return _torchrun_here(cmd[3:])
     try:
-        hosts = (
-            read_hostfile(args.hostfile)
-            if args.hostfile
-            else [h.strip() for h in args.host.split(",") if h.strip()]
-        )
+        if args.hostfile is not None:
+            hosts = read_hostfile(args.hostfile)
+        else:
+            hosts = [h.strip() for h in args.host.split(",") if h.strip()]
+            if not hosts:
+                raise ValueError(f"-H/--host {args.host!r} lists no hosts; give comma-separated host names")
         hosts = select_hosts(hosts, args.include, args.exclude, args.num_nodes)
     except (OSError, ValueError) as e:
         print(f"cai run: {e}", file=sys.stderr)
@@ -208,16 +287,22 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _torchrun_here(argv: list[str]) -> int:
-    """Run torchrun in this process (it becomes the node's agent; saves starting another interpreter)."""
+    """Run torchrun in this process (it becomes the node's agent; saves starting another interpreter).
+
+    Returns the exit code of the first rank that failed (128 + N for a rank killed by signal N), like a shell.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     sys.stdout.flush()
     try:
         torchrun(argv)
-    except ChildFailedError as e:  # torchrun already logged the failing ranks; summarise and exit non-zero
-        print(f"cai run: {e}", file=sys.stderr, flush=True)
-        return 1
+    except ChildFailedError as e:  # torchrun already logged every failing rank; name the first one
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"cai run: rank {rank} (local_rank {failure.local_rank}) {how}", file=sys.stderr, flush=True)
+        return 128 - code if code < 0 else code or 1
     return 0
 
 
