@@ -40,14 +40,14 @@ def _relaunch(port: int, **kwargs) -> None:
     """Replace the pool's process group by one that launch() creates, as a fresh process would."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.destroy_process_group()
-    _guard._State.step = _guard._State.issued = 0
+    _guard._STATE.step = _guard._STATE.issued = 0
     launch(rank, world, "127.0.0.1", port, verbose=False, **kwargs)
 
 
 def _restore() -> None:
     # The pooled worker runs later tests: put back torch's functions, defaults and debug level.
     _guard.uninstall()
-    _guard._State.step = 0
+    _guard._STATE.step = 0
     dist.set_debug_level(dist.DebugLevel.OFF)
     os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
     os.environ.pop("CAI_DIST_TIMEOUT", None)
@@ -191,7 +191,7 @@ def test_timeout_and_debug_settings_are_validated(monkeypatch: pytest.MonkeyPatc
 def test_step_counter() -> None:
     before = current_step()
     assert advance_step() == before + 1 and current_step() == before + 1
-    _guard._State.step = before
+    _guard._STATE.step = before
 
 
 # A 2-rank job whose rank 1 stops itself (SIGSTOP) before the second all-reduce.

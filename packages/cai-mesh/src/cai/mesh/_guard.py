@@ -79,8 +79,15 @@ class CollectiveMismatchError(CollectiveError):
 
 
 class _State:
-    step = 0  # optimizer steps completed (see current_step)
-    issued = 0  # guarded collectives this process has issued
+    # An instance, not class attributes: writing a class attribute invalidates the type's caches on every call.
+    __slots__ = ("issued", "step")
+
+    def __init__(self) -> None:
+        self.step = 0  # optimizer.step() calls so far (see current_step)
+        self.issued = 0  # guarded collectives this process has issued
+
+
+_STATE = _State()
 
 
 def current_step() -> int:
@@ -90,13 +97,13 @@ def current_step() -> int:
     backward report step 0, those inside the first ``optimizer.step()`` and the second forward and backward
     report step 1, and so on. Code with its own loop calls ``advance_step()`` once per step.
     """
-    return _State.step
+    return _STATE.step
 
 
 def advance_step() -> int:
     """Start the next training step (the booster's ``optimizer.step()`` calls it first); returns the new step."""
-    _State.step += 1
-    return _State.step
+    _STATE.step += 1
+    return _STATE.step
 
 
 def resolve_timeout(timeout: float | timedelta | None) -> timedelta:
@@ -175,7 +182,7 @@ def _guard(op: str, original: Any) -> Any:
 
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        _State.issued += 1
+        _STATE.issued += 1
         try:
             return original(*args, **kwargs)
         except RuntimeError as e:
@@ -239,7 +246,7 @@ def _translate(op: str, args: tuple, kwargs: dict, e: RuntimeError) -> Collectiv
         timeout = _group_timeout(group)
     except Exception:  # the failure may have torn the group down; report what is known
         ranks, timeout = [], None
-    me = _Report(rank=rank, op=op, group=ranks, step=_State.step, issued=_State.issued)
+    me = _Report(rank=rank, op=op, group=ranks, step=_STATE.step, issued=_STATE.issued)
     if cls is CollectiveTimeoutError and timeout is not None:
         what = f"timed out after {timeout.total_seconds():g} s"
     lines = [f"rank {rank}: {me.describe()}: {what}."]
