@@ -83,8 +83,9 @@ def test_rank_out_of_step_times_out_with_rank_op_group_and_step() -> None:
         assert kind in ("CollectiveTimeoutError", "CollectiveError"), (rank, kind, message)
         op, step = ("all_reduce", 1) if rank == 0 else ("barrier", 2)
         assert f"rank {rank}: {op} on ranks [0, 1] at step {step}" in message, message
-        # Both ranks wait in their collective until the timeout, then up to TIMEOUT_S more for the peer's report.
-        assert elapsed < 2 * TIMEOUT_S + 30, elapsed
+        # Both ranks wait in their collective until the timeout, then at most TIMEOUT_S / 2 for the peer's report
+        # (the rest is slack for a loaded machine).
+        assert elapsed < 1.5 * TIMEOUT_S + 20, elapsed
         assert "CAI_DEBUG_COLLECTIVES=1" in message and "Backend error:" in message
     # Rank 0 waited first and timed out; it reports what rank 1 was doing when it failed too.
     kind, message, elapsed = results[0]
@@ -244,7 +245,8 @@ def test_stopped_rank_makes_its_peer_end_with_the_message(tmp_path: Path) -> Non
             (line for line in out.splitlines() if line.startswith("CollectiveTimeoutError after ")), ""
         )
         assert first, out
-        assert TIMEOUT_S - 0.5 <= float(first.split()[2]) < TIMEOUT_S + 30, out
+        # The timeout, then half of it waiting for rank 1's report, which never comes (plus slack for a loaded machine).
+        assert 1.5 * TIMEOUT_S - 0.5 <= float(first.split()[2]) < 1.5 * TIMEOUT_S + 20, out
         assert (
             f"rank 0: all_reduce on ranks [0, 1] at step 0 (collective #2 of that rank): timed out after {TIMEOUT_S} s"
             in out

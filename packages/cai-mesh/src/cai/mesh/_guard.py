@@ -213,7 +213,7 @@ def _classify(e: RuntimeError) -> tuple[type[CollectiveError], str] | None:
     low = text.lower()
     if "mismatch between collectives" in low:
         return CollectiveMismatchError, "the ranks of the group issued different collectives"
-    if "timed out" in low or "timeout" in low:
+    if "timed out" in low or "timeout" in low or "failed to pass monitoredbarrier" in low:
         return CollectiveTimeoutError, "timed out"
     if (
         isinstance(e, dist.DistNetworkError)
@@ -292,7 +292,9 @@ def _exchange_reports(me: _Report) -> dict[int, _Report | None]:
     others = [r for r in me.group if r != me.rank][:_PEER_REPORT_LIMIT]
     keys = {r: _REPORT_KEY.format(r) for r in others}
     # Polled with check() rather than store.wait(), which logs a socket warning for every key that never comes.
-    deadline = time.monotonic() + min(_PEER_WAIT_S, _timeout_s())
+    # Ranks that wait on each other time out at about the same moment; a stopped rank never reports, so the wait is
+    # bounded: a failing rank ends at most min(timeout / 2, 10 s) after its timeout.
+    deadline = time.monotonic() + min(_PEER_WAIT_S, _timeout_s() / 2)
     pending = set(others)
     try:
         while pending and time.monotonic() < deadline:
