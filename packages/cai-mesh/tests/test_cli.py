@@ -280,6 +280,12 @@ def test_cai_run_accepts_well_formed_arguments(capsys: pytest.CaptureFixture[str
     for extra in (["--rdzv_endpoint", "[::1]:29400"], ["--rdzv_endpoint", "h"], ["--nnodes", "1:4"]):
         assert main(["run", "--dry_run", "--nproc_per_node", "1", *extra, "t.py"]) == 0
     assert "--nnodes=1:4" in capsys.readouterr().out
+    # With a rendezvous endpoint, --rdzv_timeout becomes torchrun's join_timeout, next to the user's own conf.
+    argv = ["run", "--dry_run", "--nproc_per_node", "1", "--rdzv_endpoint", "h:1", "--rdzv_timeout", "30"]
+    assert main([*argv, "--rdzv_conf", "read_timeout=9", "t.py"]) == 0
+    assert "--rdzv_conf=read_timeout=9,join_timeout=30 t.py" in capsys.readouterr().out
+    assert main([*argv, "--rdzv_conf", "join_timeout=5", "t.py"]) == 0
+    assert "--rdzv_conf=join_timeout=5 t.py" in capsys.readouterr().out
 
 
 def test_cai_run_bad_port_from_the_shell() -> None:

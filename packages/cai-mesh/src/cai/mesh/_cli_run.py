@@ -136,9 +136,10 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         "--rdzv_timeout",
         "--rdzv-timeout",
         type=_seconds,
-        default=DEFAULT_RDZV_TIMEOUT_S,
+        default=None,
         help=f"seconds a multi-node launch (--nnodes N) waits for every node to start, printing the missing "
-        f"ones, before it gives up (default {DEFAULT_RDZV_TIMEOUT_S:g})",
+        f"ones, before it gives up (default {DEFAULT_RDZV_TIMEOUT_S:g}); with --rdzv_endpoint it is torchrun's "
+        "join_timeout",
     )
     p.add_argument("--max_restarts", "--max-restarts", type=_int_at_least(0, "--max_restarts"), default=None)
     p.add_argument("--standalone", action="store_true", help="single-node rendezvous on a free port")
@@ -237,8 +238,11 @@ def torchrun_args(args: argparse.Namespace, *, nnodes: str, node_rank: int, mast
             out.append(f"--rdzv_backend={args.rdzv_backend}")
     if args.rdzv_id:
         out.append(f"--rdzv_id={args.rdzv_id}")
-    if args.rdzv_conf:
-        out.append(f"--rdzv_conf={args.rdzv_conf}")
+    conf = [args.rdzv_conf] if args.rdzv_conf else []
+    if args.rdzv_endpoint and args.rdzv_timeout is not None and "join_timeout=" not in (args.rdzv_conf or ""):
+        conf.append(f"join_timeout={args.rdzv_timeout:g}")  # torchrun's c10d rendezvous has its own wait
+    if conf:
+        out.append(f"--rdzv_conf={','.join(conf)}")
     if args.max_restarts is not None:
         out.append(f"--max_restarts={args.max_restarts}")
     out += _extra_args(args.extra_launch_args)
@@ -267,7 +271,8 @@ def run_command(args: argparse.Namespace) -> int:
             return 0
         if nnodes.isdigit() and int(nnodes) > 1 and not (args.standalone or args.rdzv_endpoint):
             try:
-                wait_for_nodes(master_addr, args.master_port, int(nnodes), args.node_rank, args.rdzv_timeout)
+                timeout = args.rdzv_timeout if args.rdzv_timeout is not None else DEFAULT_RDZV_TIMEOUT_S
+                wait_for_nodes(master_addr, args.master_port, int(nnodes), args.node_rank, timeout)
             except Exception as e:  # NodeWaitTimeout, or node 0's store failing under this node
                 print(f"cai run: {e}", file=sys.stderr, flush=True)
                 return 1
