@@ -165,6 +165,17 @@ def test_cai_run_reports_host_command_and_remote_error(worker: Path) -> None:
     assert "ssh: Could not resolve hostname badhost" in err.split("remote error")[1]
 
 
+def test_cai_run_hostfile_returns_the_failing_ranks_exit_code(tmp_path: Path) -> None:
+    (tmp_path / "fail.py").write_text(FAILING_WORKER)
+    _fake_ssh(tmp_path)
+    cmd = [*_cai(), "run", "-H", "nodeA,nodeB", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+           "--master_port", "{port}", "fail.py"]  # fmt: skip
+    proc = _launch(cmd, env=_env(CAI_SSH=str(tmp_path / "ssh.sh")), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "[nodeB] cai run: rank 1 (local_rank 0) exited with code 3" in proc.stderr
+    assert "cai run: node nodeB (node_rank 1) failed with exit code 3" in proc.stderr
+
+
 def test_cai_run_dry_run_commands(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["run", "--dry_run", "--nproc_per_node", "4", "--nnodes", "2", "--node_rank", "1",
                  "--master_addr", "10.0.0.1", "--master_port", "1234", "--extra_launch_args", "max_restarts=3,no_python",
@@ -187,7 +198,10 @@ def test_cai_run_dry_run_commands(capsys: pytest.CaptureFixture[str], tmp_path: 
     )
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("ssh -o BatchMode=yes n1 ") and " n2 " in lines[1]
-    assert "--node_rank=1 --master_addr=n1 --master_port=29500" in lines[1] and "--nnodes=2" in lines[1]
+    assert (
+        "-m cai.mesh._cli run --nproc_per_node=8 --nnodes=2 --node_rank=1 --master_addr=n1 --master_port=29500 t.py"
+        in lines[1]
+    )
 
 
 @pytest.mark.parametrize(

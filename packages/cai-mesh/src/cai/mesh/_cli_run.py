@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ _FORWARD_PREFIXES = (
     "GLOO_",
 )
 _FORWARD_NAMES = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "MKL_NUM_THREADS")
+
+_STOP_GRACE_S = 10.0  # after a node failed, how long the others get to stop on SIGTERM before SIGKILL
 
 # How long a static multi-node launch waits for all nodes; torchrun's own static default, now with progress lines.
 DEFAULT_RDZV_TIMEOUT_S = 600.0
@@ -321,6 +324,29 @@ class _Node:
     threads: list[threading.Thread] = field(default_factory=list)
 
 
+def _node_args(args: argparse.Namespace, *, nnodes: str, node_rank: int, master_addr: str) -> list[str]:
+    """The single-node ``cai run`` command line (after ``cai run``) that one node of a hostfile job runs."""
+    out = [] if args.nproc_per_node is None else [f"--nproc_per_node={args.nproc_per_node}"]
+    out.append(f"--nnodes={nnodes}")
+    if args.standalone:
+        out.append("--standalone")
+    elif not args.rdzv_endpoint:
+        out += [
+            f"--node_rank={node_rank}",
+            f"--master_addr={master_addr}",
+            f"--master_port={args.master_port}",
+        ]
+    for name in ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "rdzv_conf", "rdzv_timeout", "max_restarts"):
+        value = getattr(args, name)
+        if value is not None:
+            out.append(f"--{name}={value:g}" if isinstance(value, float) else f"--{name}={value}")
+    if args.extra_launch_args:
+        out.append(f"--extra_launch_args={args.extra_launch_args}")
+    if args.module:
+        out.append("-m")
+    return [*out, args.script, *args.script_args]
+
+
 def _remote_command(args: argparse.Namespace, hosts: list[str], node_rank: int) -> str:
     env = {
         k: v
@@ -329,11 +355,11 @@ def _remote_command(args: argparse.Namespace, hosts: list[str], node_rank: int) 
     }
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
     master = args.master_addr or hosts[0]
-    torchrun = torchrun_args(
-        args, nnodes=args.nnodes or str(len(hosts)), node_rank=node_rank, master_addr=master
-    )
-    # The same interpreter path on every node: clusters share one software tree (or one container image).
-    run = shlex.join([sys.executable, "-m", "torch.distributed.run", *torchrun])
+    node = _node_args(args, nnodes=args.nnodes or str(len(hosts)), node_rank=node_rank, master_addr=master)
+    # The same interpreter path on every node: clusters share one software tree (or one container image). Each node
+    # runs the single-node `cai run`, so it waits for the others with progress lines and exits with the code of its
+    # first failing rank, which ssh hands back here.
+    run = shlex.join([sys.executable, "-m", "cai.mesh._cli", "run", *node])
     prefix = f"export {exports} && " if exports else ""
     return f"cd {shlex.quote(os.getcwd())} && {prefix}exec {run}"
 
@@ -379,6 +405,7 @@ def _run_on_hosts(args: argparse.Namespace, hosts: list[str]) -> int:
             t.start()
     failed: list[_Node] = []
     pending = list(nodes)
+    stopping_since: float | None = None
     while pending:
         for node in list(pending):
             assert node.proc is not None
@@ -392,9 +419,13 @@ def _run_on_hosts(args: argparse.Namespace, hosts: list[str]) -> int:
             if node.proc.returncode != 0:
                 failed.append(node)
         if failed and pending:
-            # The other nodes would wait for the failed one at the next rendezvous or collective: stop them.
+            # The other nodes would wait for the failed one at the next rendezvous or collective: stop them. A
+            # torchrun agent blocked in its exit barrier (its own ranks succeeded) handles SIGTERM only when that
+            # wait ends, minutes later, so it gets SIGKILL after a grace period.
+            stopping_since = stopping_since or time.monotonic()
+            late = time.monotonic() - stopping_since > _STOP_GRACE_S
             for node in pending:
-                node.proc.terminate()  # type: ignore[union-attr]
+                node.proc.kill() if late else node.proc.terminate()  # type: ignore[union-attr]
     for node in nodes:
         code = node.proc.returncode  # type: ignore[union-attr]
         print(
