@@ -375,6 +375,7 @@ def test_cai_run_nnodes_starts_when_the_last_node_joins(worker: Path) -> None:
         out1, err1 = second.communicate(timeout=60)
         assert first.returncode == 0 and second.returncode == 0, out0 + err0 + out1 + err1
         assert _results(out) == ["2 3.0 n", "2 3.0 n"]
+        assert "recvValue failed" not in err1  # node 1 saw node 0's store close without a failed request
     finally:
         for p in (first, second):
             if p is not None and p.poll() is None:

@@ -13,6 +13,7 @@ clients retry until node 0's torchrun listens). Every node of a static multi-nod
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import time
@@ -100,11 +101,11 @@ def wait_for_nodes(
             )
             next_report = now + _REPORT_S
         time.sleep(_POLL_S)
-    _hand_over(store, nnodes, node_rank)
+    _hand_over(store, nnodes, node_rank, addr, port)
     del store  # on node 0 this closes the server and frees the port for torchrun
 
 
-def _hand_over(store, nnodes: int, node_rank: int) -> None:
+def _hand_over(store, nnodes: int, node_rank: int, addr: str, port: int) -> None:
     handover_deadline = time.monotonic() + _HANDOVER_S
     if node_rank == 0:
         store.set("cai_run/closing", "1")
@@ -112,12 +113,12 @@ def _hand_over(store, nnodes: int, node_rank: int) -> None:
         while not all(store.check([k]) for k in others) and time.monotonic() < handover_deadline:
             time.sleep(_POLL_S)
         return
-    while not store.check(["cai_run/closing"]):
-        time.sleep(_POLL_S)
-    store.set(_key("left", node_rank), "1")
-    try:
-        while time.monotonic() < handover_deadline:
-            store.check(["cai_run/closing"])  # raises once node 0 has closed the store
+    # A plain socket sees node 0's server close as end-of-file; a store request would fail with a logged traceback.
+    with socket.create_connection((addr, port), timeout=_HANDOVER_S) as watch:
+        while not store.check(["cai_run/closing"]):
             time.sleep(_POLL_S)
-    except Exception:
-        return
+        store.set(_key("left", node_rank), "1")
+        with contextlib.suppress(
+            OSError
+        ):  # a timeout or a reset: the server is gone or unreachable either way
+            watch.recv(1)
