@@ -274,11 +274,9 @@ def _translate(op: str, args: tuple, kwargs: dict, e: RuntimeError) -> Collectiv
 
 
 def _group_timeout(group: Any) -> timedelta | None:
-    import torch
-
     try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # not a gloo group, or torch moved the attribute: the message just omits the value
+        return group._get_backend(group._device_types[0]).options._timeout
+    except Exception:  # a backend without options, or torch moved the attribute: the message omits the value
         return None
 
 
