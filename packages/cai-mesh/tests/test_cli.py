@@ -261,7 +261,7 @@ def test_cai_run_usage_errors(argv: list[str], message: str, capsys: pytest.Capt
         ),
         (["--rdzv_endpoint", "h h:1"], "The hostname of the rendezvous endpoint 'h h:1' must be"),
         (["--rdzv_timeout", "0"], "argument --rdzv_timeout/--rdzv-timeout: must be positive, got 0"),
-        (["--max_restarts", "-2"], "--max_restarts must be >= 0, got -2"),
+        (["--max_restarts", "-2"], "--max-restarts: the number of restarts must be >= 0, got -2"),
     ],
     ids=[
         "port-range",

@@ -144,7 +144,9 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         f"ones, before it gives up (default {DEFAULT_RDZV_TIMEOUT_S:g}); with --rdzv_endpoint it is torchrun's "
         "join_timeout",
     )
-    p.add_argument("--max_restarts", "--max-restarts", type=_int_at_least(0, "--max_restarts"), default=None)
+    p.add_argument(
+        "--max_restarts", "--max-restarts", type=_int_at_least(0, "the number of restarts"), default=None
+    )
     p.add_argument("--standalone", action="store_true", help="single-node rendezvous on a free port")
     p.add_argument("-H", "--host", default=None, help="comma-separated hosts (instead of --hostfile)")
     p.add_argument("--hostfile", default=None, help="file with one hostname per line ('#' comments)")
