@@ -3,8 +3,8 @@
 [Note: node rendezvous before torchrun]
 torchrun's static rendezvous waits silently (ten minutes by default) for the other nodes at MASTER_ADDR:PORT. So
 ``cai run`` first meets the other nodes' ``cai run`` on the same port: node 0 hosts a small TCPStore there, every
-node posts its node rank, and node 0 prints every ``_REPORT_S`` seconds which node ranks are missing, giving up
-after ``--rdzv_timeout``. When all have joined, the nodes hand the port over to torchrun: node 0 announces the
+node posts its node rank, and every node that is still waiting prints every ``_REPORT_S`` seconds which node
+ranks are missing, giving up after ``--rdzv_timeout``. When all have joined, the nodes hand the port over to torchrun: node 0 announces the
 close, waits until every other node has acknowledged it, and closes the store; the other nodes start torchrun
 only once their connection has dropped, so no torchrun connects to the store that is going away (torchrun's
 clients retry until node 0's torchrun listens). Every node of a static multi-node job is therefore started with
@@ -91,7 +91,7 @@ def wait_for_nodes(
                 f"(--rdzv_timeout); missing node_rank {', '.join(map(str, missing))}. Start `cai run` with the "
                 "same --nnodes, --master_addr and --master_port and those --node_rank values on the other nodes"
             )
-        if node_rank == 0 and now >= next_report:
+        if now >= next_report:
             print(
                 f"cai run: waiting for {len(missing)} of {nnodes} nodes (node_rank "
                 f"{', '.join(map(str, missing))}) at {addr}:{port}; {now - start:.0f} s of --rdzv_timeout "
