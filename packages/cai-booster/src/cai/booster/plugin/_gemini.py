@@ -87,7 +87,7 @@ class GeminiPlugin(DPPluginBase):
         if optimizer is not None:
             rebind_optimizer(optimizer, names, dict(model.named_parameters(remove_duplicate=False)))
         gm, go = shard(model, optimizer, config=self.config, device=ctx.device)
-        boosted_model = ModelWrapper(gm, unwrapped=model)
+        boosted_model = GeminiModelWrapper(gm, unwrapped=model)
         object.__setattr__(boosted_model, "_cai_gemini", gm)
         boosted_opt = None
         if go is not None:
@@ -109,6 +109,34 @@ class GeminiPlugin(DPPluginBase):
     def prepare_optimizer_load(self, optimizer: OptimizerWrapper) -> None:
         # The loader checks keys before loading; cai-gemini creates a chunk's Adam state at its first step.
         optimizer.unwrap().ensure_state()
+
+
+class GeminiModelWrapper(ModelWrapper):
+    """The boosted model over a ``GeminiModel``: its parameters are views into chunks (empty while released), so
+    ``state_dict`` gathers the chunks instead of reading them."""
+
+    def state_dict(  # type: ignore[override]
+        self,
+        destination: dict[str, torch.Tensor] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        *,
+        only_rank_0: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The full, unpadded model by the user's module's names (tied weights under each name, persistent
+        buffers), in fp32 master precision unless ``dtype`` is given; every rank must call it (one all-gather per
+        chunk). With ``only_rank_0=True`` (Colossal-AI's default) ranks other than 0 get ``{}``.
+
+        For checkpoints prefer ``booster.save_model``, which writes each rank's shards without gathering."""
+        return self.module.state_dict(destination, prefix, keep_vars, only_rank_0=only_rank_0, dtype=dtype)
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a full state dict (as ``state_dict(only_rank_0=False)`` or the unsharded model's gives) on every
+        rank; each rank keeps its pieces."""
+        return self.module.load_state_dict(state_dict, strict=strict)
 
 
 class GeminiOptimizerWrapper(OptimizerWrapper):
