@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cai.mesh import LocalShard, ShardSpec
+from cai.mesh import LocalShard, ShardSpec, param_groups_state
 
 
 def param_name_map(optimizer: torch.optim.Optimizer, param_names: Any) -> dict[int, str]:
@@ -63,13 +63,8 @@ class TorchOptimizerAdapter:
         return out
 
     def param_groups_state(self) -> list[dict[str, Any]]:
-        return [
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": [self.names[id(p)] for p in g["params"]],
-            }
-            for g in self.optimizer.param_groups
-        ]
+        names = [[self.names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+        return param_groups_state(self.optimizer.param_groups, names)
 
     def load(
         self, groups: list[dict[str, Any]], tensors: dict[str, torch.Tensor], scalars: dict[str, dict]
@@ -97,8 +92,11 @@ class TorchOptimizerAdapter:
         for name, kv in scalars.items():
             state.setdefault(index[name], {}).update(kv)
         out_groups = []
-        for saved, cur in zip(groups, current):
-            g = {k: _like(v, cur.get(k)) for k, v in saved.items() if k != "params"}
+        for saved, cur, live in zip(groups, current, self.optimizer.param_groups):
+            # types from the live group (the saved values are JSON: lists, numbers); a key JSON could not hold keeps
+            # its current value, since Optimizer.load_state_dict replaces the whole group
+            g = {k: v for k, v in live.items() if k != "params"}
+            g.update({k: _like(v, live.get(k)) for k, v in saved.items() if k != "params"})
             g["params"] = [index[n] for n in cur["params"]]
             out_groups.append(g)
         # Optimizer.load_state_dict matches params by position, so saved groups are reordered to ours above.
