@@ -270,16 +270,17 @@ class CheckpointReader:
     def raise_if_corrupt(self, group: Any = None) -> None:
         """Raise on every rank of ``group`` if any rank read corrupted bytes (a collective when it has several
         ranks); the target may then hold some of those bytes."""
-        found = [f"rank {dist_info(group)[0]}: {f}" for f in self.failures]
-        _, world = dist_info(group)
+        rank, world = dist_info(group)
+        found = [(rank, f) for f in self.failures]
         if world > 1:
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, found, group=group)
             found = [f for other in everyone for f in other]
         if found:
-            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            ranks = sorted({r for r, _ in found})
             raise CheckpointError(
-                f"{found[0]}{more}; the target now holds some of these bytes, load it again from a good checkpoint"
+                f"{found[0][1]} (found by ranks {ranks}, {len(found)} damaged reads in all); the target now "
+                "holds some of these bytes: load it again from a good checkpoint"
             )
 
     # ---- validation --------------------------------------------------------------------------------------

@@ -458,7 +458,9 @@ def wait(*, commit: bool = True) -> None:
             except BaseException as e:
                 errors.append(e)
     if errors:
-        raise RuntimeError(f"asynchronous checkpoint save failed: {errors[0]!r}") from errors[0]
+        raise RuntimeError(
+            f"asynchronous checkpoint save failed: {type(errors[0]).__name__}: {errors[0]}"
+        ) from errors[0]
 
 
 atexit.register(wait, commit=False)
