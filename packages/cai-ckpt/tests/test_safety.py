@@ -211,6 +211,25 @@ def test_a_slice_read_verifies_the_blocks_it_overlaps_and_no_others(tmp_path):
     read_after_damage(6 * block)  # a block this reader does not touch is another rank's to verify
 
 
+def test_a_large_read_is_verified_by_several_threads_and_names_the_damaged_block(tmp_path, monkeypatch):
+    from cai.ckpt import _load
+
+    monkeypatch.setattr(_load, "_CRC_THREADS", 4)
+    block = _checksum.BLOCK // 4
+    full = torch.randn(300 * block)  # 300 blocks: 4 threads of 75
+    ck.save_model({"w": full}, tmp_path / "m")
+    shard = tmp_path / "m" / "model-00001-of-00001.safetensors"
+    start = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+    target = {"w": torch.empty_like(full)}
+    ck.load_model(target, tmp_path / "m")
+    assert torch.equal(target["w"], full)
+    raw = bytearray(shard.read_bytes())
+    raw[start + 4 * (230 * block + 7)] ^= 0x10  # in the fourth thread's range
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ck.CheckpointError, match=r"crc32c block 230\)"):
+        ck.load_model(target, tmp_path / "m")
+
+
 def test_checkpoints_with_only_file_crc32s_still_verify(tmp_path):
     """Checkpoints written before block checksums list one zlib CRC32 per file."""
     ck.save_model(TinyTransformer(seed=0), tmp_path / "m", size_per_shard=0.01)

@@ -9,8 +9,11 @@ each rank checks exactly the blocks it reads, in the thread that read them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +126,20 @@ def _verify_blocks_of_file(path: Path, sums: dict) -> None:
                 raise CheckpointError(problem)
 
 
+_CRC_THREADS = min(8, os.cpu_count() or 1)
+_PARALLEL_MIN_BLOCKS = 64  # 16 MiB a thread at least
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_CRC_THREADS, thread_name_prefix="cai-ckpt-crc")
+        return _pool
+
+
 class _BlockCheck:
     """Verifies the bytes read from one safetensors file against its block checksums."""
 
@@ -150,20 +167,38 @@ class _BlockCheck:
             if name not in self.packed:
                 return _corrupted(self.path, f"tensor {name!r} has no checksums in the manifest")
             sums = self._sums[name] = unpack(self.packed[name])
-        b, fn = self.block, self.fn
-        for k in range(lo // b, -(-hi // b)):
-            first, last = k * b, min((k + 1) * b, nbytes)
-            crc = 0
-            if first < lo:
-                crc = fn(read_bytes(self.path, start + first, lo - first), crc)
-            crc = fn(data[max(first, lo) - lo : min(last, hi) - lo], crc)
-            if last > hi:
-                crc = fn(read_bytes(self.path, start + hi, last - hi), crc)
-            if k >= len(sums) or crc != sums[k]:
-                return _corrupted(
-                    self.path, f"tensor {name!r}, its bytes {first}..{last}, {self.name} block {k}"
-                )
-        return None
+        b = self.block
+        k0, k1 = lo // b, -(-hi // b)
+
+        def check(ka: int, kb: int) -> int | None:
+            """The first block in ``[ka, kb)`` whose checksum does not match."""
+            fn = self.fn
+            for k in range(ka, kb):
+                first, last = k * b, min((k + 1) * b, nbytes)
+                crc = 0
+                if first < lo:
+                    crc = fn(read_bytes(self.path, start + first, lo - first), crc)
+                crc = fn(data[max(first, lo) - lo : min(last, hi) - lo], crc)
+                if last > hi:
+                    crc = fn(read_bytes(self.path, start + hi, last - hi), crc)
+                if k >= len(sums) or crc != sums[k]:
+                    return k
+            return None
+
+        # A large read is checked by several threads (the CRC functions release the GIL): one I/O thread's file
+        # would otherwise wait for a single core to checksum gigabytes.
+        parts = min(_CRC_THREADS, (k1 - k0) // _PARALLEL_MIN_BLOCKS)
+        if parts > 1:
+            bounds = [k0 + (k1 - k0) * i // parts for i in range(parts + 1)]
+            futures = [_crc_pool().submit(check, a, z) for a, z in itertools.pairwise(bounds)]
+            bad = [k for k in (f.result() for f in futures) if k is not None]
+            k = bad[0] if bad else None
+        else:
+            k = check(k0, k1)
+        if k is None:
+            return None
+        first, last = k * b, min((k + 1) * b, nbytes)
+        return _corrupted(self.path, f"tensor {name!r}, its bytes {first}..{last}, {self.name} block {k}")
 
 
 class CheckpointReader:
