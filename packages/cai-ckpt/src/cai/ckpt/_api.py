@@ -226,6 +226,8 @@ def save_optimizer(
 
     ``optimizer`` is a sharded optimizer (state protocol) or a plain torch optimizer, whose parameters are named
     by ``model`` (``named_parameters``) or ``param_names`` (a list in optimizer order, or a dict param -> name).
+    ``path`` follows ``save_model``'s rule: only nothing, an empty directory or an earlier cai-ckpt checkpoint may
+    be there.
     """
     wait()
     txn = Transaction(Path(path), group=group, info={"kind": "optimizer"})
