@@ -270,7 +270,11 @@ class Transaction:
 
     def _timed_out(self, waiting_for: str) -> TimeoutError:
         missing = self._unreported()
-        who = f"ranks {missing} never finished writing" if missing else "every rank finished writing"
+        who = (
+            f"ranks {missing} never finished writing"
+            if missing
+            else "every rank finished writing, but rank 0 did not commit (it may have died)"
+        )
         return TimeoutError(
             f"checkpoint {self.final} was not saved: {waiting_for} did not arrive within the process group's "
             f"timeout ({self.timeout.total_seconds():.0f} s): {who}; the previous checkpoint is untouched "
@@ -293,8 +297,6 @@ class Transaction:
             if "error" in report:
                 raise SaveFailed(self.final, report["failed_rank"], report["error"])
             files.update(report["files"])
-        for r in range(1, self.world):
-            self._store.delete_key(f"{self._key}/done/{r}")
         return files
 
     def wait_committed(self) -> None:
@@ -308,6 +310,8 @@ class Transaction:
             raise self._timed_out("rank 0's commit") from None
         result = json.loads(self._store.get(key))
         if self._store.add(f"{self._key}/read", 1) == self.world - 1:  # the last reader tidies up
+            for done in range(1, self.world):
+                self._store.delete_key(f"{self._key}/done/{done}")
             self._store.delete_key(key)
             self._store.delete_key(f"{self._key}/read")
         if "error" in result:
