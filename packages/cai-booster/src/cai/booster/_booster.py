@@ -194,9 +194,10 @@ class Booster:
         """Save the model as a Hugging Face safetensors directory (``from_pretrained`` loads it) from any plugin.
 
         Always safetensors, always a directory with an index; ``shard=False`` writes one file when the model fits
-        in ``size_per_shard`` MB. ``checkpoint`` may be new, empty, or an earlier cai checkpoint (replaced
-        atomically); a file or a directory holding other files raises ``FileExistsError`` on every rank. ``gather_dtensor``, ``prefix`` and ``use_safetensors`` are accepted for
-        Colossal-AI compatibility: no rank gathers the model and pickle is never written.
+        in ``size_per_shard`` MB. ``gather_dtensor``, ``prefix`` and ``use_safetensors`` are accepted for
+        Colossal-AI compatibility: no rank gathers the model and pickle is never written. ``checkpoint`` may be
+        new, empty, or an earlier cai checkpoint (replaced atomically); a file or a directory holding other files
+        raises ``FileExistsError`` on every rank before anything is written.
         """
         import cai.ckpt
 
