@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import functools
 import os
 import re
 import runpy
@@ -198,44 +197,32 @@ def _python_block(block: Block, tmp_path: Path) -> None:
 # ---- shell commands --------------------------------------------------------------------------------------
 
 # Commands that run (from a directory where examples/ is linked), with the only arguments added to each.
-RUN: dict[str, tuple[str, ...]] = {
-    "cai check": (),
+RUN: dict[str, str] = {
+    "cai check": "",
     # 400 steps take minutes; 8 steps with the checkpoint at 4 still save, rebuild, resume and evaluate.
-    "python examples/train_llama.py": (
-        "--steps",
-        "8",
-        "--save-at",
-        "4",
-        "--log-every",
-        "2",
-        "--eval-samples",
-        "16",
-    ),
-    "python examples/finetune_hf.py --model tiny": (
-        "--steps",
-        "4",
-        "--log-every",
-        "2",
-        "--eval-samples",
-        "8",
-    ),
-    "python examples/benchmarks/benchmark.py -c tiny -b 2 -l 64 -s 3 -i 1 --compare --peers eager,fsdp2": (),
+    "python examples/train_llama.py": "--steps 8 --save-at 4 --log-every 2 --eval-samples 16",
+    "python examples/finetune_hf.py --model tiny": "--steps 4 --log-every 2 --eval-samples 8",
+    "python examples/benchmarks/benchmark.py -c tiny -b 2 -l 64 -s 3 -i 1 --compare --peers eager,fsdp2": "",
 }
 
 
-@functools.cache
-def _run_example(command: str) -> str:
-    """Run a RUN command once per test process (the sample-output check reuses the main job's output)."""
-    import tempfile
+_RUN_OUTPUT: dict[str, str] = {}
 
-    argv = command.split()
-    work = Path(tempfile.mkdtemp(prefix="readme-"))
-    (work / "examples").symlink_to(ROOT / "examples")
-    if argv[0] == "cai":
-        argv = _cai(*argv[1:])
-    elif argv[0] in ("python", "python3"):
-        argv = [sys.executable, *argv[1:]]
-    return _run([*argv, *RUN[command]], cwd=work, what=command)
+
+def _run_example(command: str, tmp_path: Path) -> str:
+    """Run a RUN command from ``tmp_path`` (with examples/ linked there), once per test process: the
+    sample-output check reuses the main job's output."""
+    if command not in _RUN_OUTPUT:
+        argv = command.split()
+        work = tmp_path / f"run-{len(_RUN_OUTPUT)}"  # one directory per command, as a block may hold several
+        work.mkdir()
+        (work / "examples").symlink_to(ROOT / "examples")
+        if argv[0] == "cai":
+            argv = _cai(*argv[1:])
+        elif argv[0] in ("python", "python3"):
+            argv = [sys.executable, *argv[1:]]
+        _RUN_OUTPUT[command] = _run([*argv, *RUN[command].split()], cwd=work, what=command)
+    return _RUN_OUTPUT[command]
 
 
 class _Parsed(Exception):
@@ -365,10 +352,10 @@ def _check_cai(args: list[str]) -> None:
     # Any other script (train.py) is the user's program: only cai's own options are checked.
 
 
-def _shell_command(argv: list[str]) -> None:
+def _shell_command(argv: list[str], tmp_path: Path) -> None:
     command = " ".join(argv)
     if command in RUN:
-        _run_example(command)
+        _run_example(command, tmp_path)
         return
     prog, args = argv[0], argv[1:]
     if prog in ("python", "python3") and args[:2] == ["-m", "pip"]:
@@ -395,7 +382,7 @@ def _shell_block(block: Block, tmp_path: Path) -> None:
     assert commands, f"{block.id}: a shell block without commands"
     for argv in commands:
         try:
-            _shell_command(argv)
+            _shell_command(argv, tmp_path)
         except AssertionError as e:
             raise AssertionError(f"{block.id}: {e}") from e
 
@@ -421,7 +408,7 @@ def _sample_line_pattern(line: str) -> re.Pattern:
 
 
 def _check_train_llama_output(block: Block, tmp_path: Path) -> None:
-    out = _run_example("python examples/train_llama.py")
+    out = _run_example("python examples/train_llama.py", tmp_path)
     lines = [line for line in block.text.splitlines() if line.strip() and line.strip() != "..."]
     for line in lines:
         assert _sample_line_pattern(line).search(out), f"sample line {line!r} matches no output line:\n{out}"
