@@ -482,6 +482,10 @@ def test_directives_name_known_setups() -> None:
     known = {"setup": SETUPS, "sub": SUBSTITUTIONS, "check": CHECKS}
     for block in BLOCKS:
         for key, value in block.directive.items():
+            wanted = "text" if key == "check" else "python"
+            assert block.lang == wanted, (
+                f"{block.id}: {key}= applies to {wanted} blocks, not {block.lang!r} ones"
+            )
             if key == "nproc":
                 assert value.isdigit() and int(value) >= 1, f"{block.id}: nproc={value}"
                 continue
