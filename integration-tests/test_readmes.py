@@ -33,7 +33,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from _readme_blocks import ROOT, Block, all_blocks, find_readmes, shell_commands
+from _readme_blocks import ROOT, Block, all_blocks, find_readmes, parse_directive, shell_commands
 
 BLOCKS = all_blocks()
 TIMEOUT = 600  # seconds per program: generous because CI machines run many tests on few cores
@@ -509,3 +509,55 @@ def test_readme_block(block: Block, tmp_path: Path) -> None:
             f"{block.id}: a ```{block.lang or '(untagged)'} block that nothing runs or checks: tag it python or "
             "bash, or tag it text with a `<!-- readme-test: check=NAME -->` line above and a checker in CHECKS"
         )
+
+
+# ---- the machinery itself: it must be able to fail ------------------------------------------------------
+
+
+def test_blocks_directives_and_commands_are_parsed(tmp_path: Path) -> None:
+    from _readme_blocks import parse_blocks
+
+    (tmp_path / "README.md").write_text(
+        "# t\n\n<!-- readme-test: setup=a nproc=2 -->\n```python\nx = 1\n```\n\n"
+        "```\nplain\n```\n\n  ```bash\n  echo a && echo b  # c\n  ls \\\n    -l\n  ```\n"
+    )
+    blocks = parse_blocks(tmp_path / "README.md", root=tmp_path)
+    assert [(b.line, b.lang, b.directive) for b in blocks] == [
+        (4, "python", {"setup": "a", "nproc": "2"}),
+        (8, "", {}),
+        (12, "bash", {}),
+    ]
+    assert blocks[0].text == "x = 1\n" and blocks[0].id == "README.md:4"
+    assert shell_commands(blocks[2].text) == [["echo", "a"], ["echo", "b"], ["ls", "-l"]]
+    (tmp_path / "README.md").write_text("```python\nnever closed\n")
+    with pytest.raises(ValueError, match="never closed"):
+        parse_blocks(tmp_path / "README.md", root=tmp_path)
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_directive("setup=a nproc")
+
+
+def test_uncovered_blocks_and_drifted_commands_fail(tmp_path: Path) -> None:
+    untagged = Block(readme="README.md", line=1, lang="", text="something\n")
+    with pytest.raises(pytest.fail.Exception, match="nothing runs or checks"):
+        test_readme_block(untagged, tmp_path)
+    drifted = [
+        "python examples/train_llama.py --plugin zero3",  # not a choice of --plugin
+        "python examples/no_such_script.py",
+        "cai run --nproc_per_node eight train.py",
+        "nox -s no_such_session",
+        "pip install cai-kernels[no_such_extra]",
+        "pip install cai-nothing",
+        "bash integration-tests/gpu/run.sh bench no_such_bench",
+        "examples/benchmarks/run_booster_rows.sh 70b",
+        "make all",
+    ]
+    for command in drifted:
+        block = Block(readme="README.md", line=1, lang="bash", text=command + "\n")
+        with pytest.raises(AssertionError):
+            _shell_block(block, tmp_path)
+
+
+def test_sample_lines_match_only_the_same_shape() -> None:
+    pattern = _sample_line_pattern("step 200/400 [####....] loss 0.2797 | 1,885 tok/s")
+    assert pattern.search("step  12/24 [##......] loss 1.5 | 12,345,678 tok/s")
+    assert not pattern.search("step 12/24 [##......] loss 1.5 | 12 tokens/s")
