@@ -104,15 +104,17 @@ def all_blocks(root: Path = ROOT) -> list[Block]:
 
 
 def shell_commands(text: str) -> list[list[str]]:
-    """The commands of a shell block as argv lists: continuation lines joined, ``#`` comments dropped, a
-    leading ``$ `` prompt removed, ``a && b`` split into two commands."""
-    joined = re.sub(r"\\\n", " ", text)
+    """The commands of a shell block as argv lists: continuation lines joined, ``#`` comments dropped,
+    ``a && b`` and ``a; b`` split into two commands. In a transcript (some lines start with a ``$ `` prompt) only the
+    prompted lines are commands; the others are their output."""
+    lines = [raw.strip() for raw in re.sub(r"\\\n", " ", text).splitlines()]
+    if any(line.startswith("$ ") for line in lines):
+        lines = [line[2:] for line in lines if line.startswith("$ ")]
     commands = []
-    for raw in joined.splitlines():
-        line = raw.strip()
-        if line.startswith("$ "):
-            line = line[2:]
-        words = shlex.split(line, comments=True)
+    for line in lines:
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)  # `a&&b` and `a; b` split too
+        lexer.whitespace_split = True
+        words = list(lexer)
         current: list[str] = []
         for w in words:
             if w in ("&&", ";"):

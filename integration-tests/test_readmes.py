@@ -519,7 +519,7 @@ def test_blocks_directives_and_commands_are_parsed(tmp_path: Path) -> None:
 
     (tmp_path / "README.md").write_text(
         "# t\n\n<!-- readme-test: setup=a nproc=2 -->\n```python\nx = 1\n```\n\n"
-        "```\nplain\n```\n\n  ```bash\n  echo a && echo b  # c\n  ls \\\n    -l\n  ```\n"
+        "```\nplain\n```\n\n  ```bash\n  echo a && echo b; echo 'c d'  # e\n  ls \\\n    -l\n  ```\n"
     )
     blocks = parse_blocks(tmp_path / "README.md", root=tmp_path)
     assert [(b.line, b.lang, b.directive) for b in blocks] == [
@@ -528,7 +528,11 @@ def test_blocks_directives_and_commands_are_parsed(tmp_path: Path) -> None:
         (12, "bash", {}),
     ]
     assert blocks[0].text == "x = 1\n" and blocks[0].id == "README.md:4"
-    assert shell_commands(blocks[2].text) == [["echo", "a"], ["echo", "b"], ["ls", "-l"]]
+    assert shell_commands(blocks[2].text) == [["echo", "a"], ["echo", "b"], ["echo", "c d"], ["ls", "-l"]]
+    assert shell_commands("$ cai check\nPython 3.11\n$ ls -l  # files\nREADME.md\n") == [
+        ["cai", "check"],
+        ["ls", "-l"],
+    ]
     (tmp_path / "README.md").write_text("```python\nnever closed\n")
     with pytest.raises(ValueError, match="never closed"):
         parse_blocks(tmp_path / "README.md", root=tmp_path)
