@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import io
 import os
 import re
 import runpy
@@ -346,6 +348,15 @@ def _check_cai(args: list[str]) -> None:
         ns = build_parser().parse_args(args)
     except SystemExit as e:
         raise AssertionError(f"`cai {' '.join(args)}`: the cai parser rejects it (exit {e.code})") from e
+    if args[0] == "run" and not (ns.hostfile or ns.host):
+        # A local launch: `--dry_run` goes through cai run's own checks and prints the torchrun command.
+        # (With --hostfile or -H the hosts are the reader's, so only the options are checked.)
+        from cai.mesh._cli import main
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main(["run", "--dry_run", *args[1:]])
+        assert code == 0, f"`cai {' '.join(args)}` fails cai run's checks (exit {code}): {out.getvalue()}"
     script = getattr(ns, "script", None)
     if script and script.startswith("examples/"):
         _check_script_args(script, ns.script_args)
@@ -548,6 +559,7 @@ def test_uncovered_blocks_and_drifted_commands_fail(tmp_path: Path) -> None:
         "python examples/train_llama.py --plugin zero3",  # not a choice of --plugin
         "python examples/no_such_script.py",
         "cai run --nproc_per_node eight train.py",
+        "cai run --nproc_per_node 8 train.sh",  # not a .py file: cai run's own check
         "nox -s no_such_session",
         "pip install cai-kernels[no_such_extra]",
         "pip install cai-nothing",
