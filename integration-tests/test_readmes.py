@@ -199,6 +199,11 @@ def _python_block(block: Block, tmp_path: Path) -> None:
 # ---- shell commands --------------------------------------------------------------------------------------
 
 # Commands that run (from a directory where examples/ is linked), with the only arguments added to each.
+# Every other command of the READMEs is checked statically, today: README.md's pip and nox lines;
+# examples/README.md's `--plugin zero2` variant, its 8-GPU `cai run` and the two finetune lines that name the
+# reader's model directory and data; examples/benchmarks/README.md's run_booster_rows.sh (GPU); all of
+# integration-tests/gpu/README.md; cai-kernels' pip lines and GPU benchmarks; cai-mesh's `cai run` lines
+# (through `--dry_run` where no hostfile is involved).
 RUN: dict[str, str] = {
     "cai check": "",
     # 400 steps take minutes; 8 steps with the checkpoint at 4 still save, rebuild, resume and evaluate.
