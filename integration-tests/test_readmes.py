@@ -412,7 +412,7 @@ def _sample_line_pattern(line: str) -> re.Pattern:
     for tok in re.split(r"(\[[#.]+\]|\d[\d,]*(?:\.\d+)?| +)", line.strip()):
         if not tok:
             continue
-        if tok.startswith("["):
+        if re.fullmatch(r"\[[#.]+\]", tok):
             out.append(r"\[[#.]+\]")
         elif tok[0].isdigit():
             out.append(r"\d[\d,]*(?:\.\d+)?")
@@ -474,7 +474,40 @@ def _check_ckpt_format(block: Block, tmp_path: Path) -> None:
     assert not extra, f"the checkpoint has files the README's layout does not show: {extra}"
 
 
+def _check_collective_timeout(block: Block, tmp_path: Path) -> None:
+    """Every line of the sample appears in the error of a real 2-rank job whose rank 1 skips one all-reduce."""
+    program = tmp_path / "out_of_step.py"
+    program.write_text(
+        "import time\n"
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from cai.mesh import advance_step, launch_from_torch\n"
+        "launch_from_torch(timeout=5)\n"
+        "t = torch.ones(4)\n"
+        "dist.all_reduce(t)\n"
+        "advance_step()\n"
+        "if dist.get_rank() == 0:\n"
+        "    dist.all_reduce(t)  # rank 1 skips this step's all-reduce\n"
+        "advance_step()\n"
+        "try:\n"
+        "    dist.barrier()\n"
+        "except Exception:\n"
+        "    time.sleep(3 * dist.get_rank())  # rank 0 prints its error before the launcher stops the job\n"
+        "    raise\n"
+    )
+    argv = [*_cai("run", "--standalone", "--nproc_per_node", "2"), str(program)]
+    proc = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"{block.id}: the out-of-step job did not fail:\n{out[-6000:]}"
+    for line in block.text.splitlines():
+        if line.strip():
+            assert _sample_line_pattern(line).search(out), (
+                f"sample line {line!r} matches no output line:\n{out}"
+            )
+
+
 CHECKS: dict[str, Callable[[Block, Path], None]] = {
+    "collective-timeout": _check_collective_timeout,
     "train-llama-output": _check_train_llama_output,
     "parallel-dims-error": _check_parallel_dims_error,
     "ckpt-format": _check_ckpt_format,
