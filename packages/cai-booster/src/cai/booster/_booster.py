@@ -225,7 +225,9 @@ class Booster:
 
         Always safetensors, always a directory with an index; ``shard=False`` writes one file when the model fits
         in ``size_per_shard`` MB. ``gather_dtensor``, ``prefix`` and ``use_safetensors`` are accepted for
-        Colossal-AI compatibility: no rank gathers the model and pickle is never written.
+        Colossal-AI compatibility: no rank gathers the model and pickle is never written. ``checkpoint`` may be
+        new, empty, or an earlier cai checkpoint (replaced atomically); a file or a directory holding other files
+        raises ``FileExistsError`` on every rank before anything is written.
         """
         import cai.ckpt
 
@@ -246,12 +248,20 @@ class Booster:
         strict: bool = True,
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
+        *,
+        verify: bool = True,
     ) -> None:
-        """Load a checkpoint saved under any plugin and layout (or a Hugging Face safetensors directory)."""
+        """Load a checkpoint saved under any plugin and layout (or a Hugging Face safetensors directory).
+
+        ``verify`` (default) checks every byte read against the checkpoint's checksums and raises
+        ``cai.ckpt.CheckpointError`` naming the file and tensor on a mismatch; ``verify=False`` skips it.
+        """
         import cai.ckpt
 
         _check_boosted(model, ModelWrapper, "load_model", "model")
-        cai.ckpt.load_model(LoadView(self.plugin.model_state(model)), checkpoint, strict=strict)
+        cai.ckpt.load_model(
+            LoadView(self.plugin.model_state(model)), checkpoint, strict=strict, verify=verify
+        )
 
     def save_optimizer(
         self,
@@ -286,13 +296,15 @@ class Booster:
         *,
         model: ModelWrapper | None = None,
         strict: bool = True,
+        verify: bool = True,
     ) -> None:
-        """Load optimizer state saved by ``save_optimizer`` under any plugin and layout."""
+        """Load optimizer state saved by ``save_optimizer`` under any plugin and layout (``verify``: as for
+        ``load_model``)."""
         import cai.ckpt
 
         _check_prefix(prefix)
         cai.ckpt.load_optimizer(
-            self._optimizer_state(optimizer, model, for_load=True), checkpoint, strict=strict
+            self._optimizer_state(optimizer, model, for_load=True), checkpoint, strict=strict, verify=verify
         )
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
@@ -352,9 +364,10 @@ class Booster:
         dataloader: Any = None,
         step: int | None = None,
         strict: bool = True,
+        verify: bool = True,
     ) -> dict[str, Any]:
         """Restore what ``save_state`` wrote (the latest step, or ``step``) under any plugin and layout; returns
-        ``{"step": int, "extra": dict, "path": Path}``."""
+        ``{"step": int, "extra": dict, "path": Path}`` (``verify``: as for ``load_model``)."""
         import cai.ckpt
 
         _check_boosted(model, ModelWrapper, "load_state", "model")
@@ -369,6 +382,7 @@ class Booster:
             dataloader=dataloader,
             step=step,
             strict=strict,
+            verify=verify,
         )
 
     def _optimizer_state(
