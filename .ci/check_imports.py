@@ -67,6 +67,12 @@ EXCEPTIONS: tuple[Allowed, ...] = (
         "a declared dependency of cai-ckpt: its state exchange goes through torch's object collectives and numpy "
         "arrays (repo DESIGN.md, cai-ckpt)",
     ),
+    Allowed(
+        "ckpt",
+        "crc32c",
+        "a declared dependency of cai-ckpt: hardware CRC32C for the checksums verified on every load, with a zlib "
+        "fallback when it is missing (repo DESIGN.md, cai-ckpt)",
+    ),
     Allowed("booster", "numpy", "dataloader workers seed NumPy (installed through cai-ckpt)"),
     Allowed("booster", "peft", "the optional extra cai-booster[lora]; imported lazily"),
 )
