@@ -23,7 +23,7 @@ from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-from _booster_cases import PLUGINS, VOCAB, gathered_params, make_plugin, tiny_llama  # noqa: E402
+from _booster_cases import PLUGINS, VOCAB, gathered_params, last_rank_padding, make_plugin, tiny_llama  # noqa: E402
 
 STEPS = 20
 GLOBAL_BATCH = 8
@@ -100,6 +100,7 @@ def boosted_run(case: Case) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     booster = Booster(plugin=make_plugin(case.plugin), device=device)
     model, opt, *_ = booster.boost(model, opt)
+    padding = last_rank_padding(case.plugin, model, opt)
     losses = []
     for step in range(STEPS):
         ids = batch(step).chunk(world)[rank].to(device)
@@ -131,7 +132,7 @@ def boosted_run(case: Case) -> dict:
         name="loss",
     )
     assert_close(params, ref_params, rtol=1e-6, atol=1e-7, name="params")
-    return {"loss": losses[-1]}
+    return {"loss": losses[-1], "padding": padding}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -141,3 +142,7 @@ def test_parity(case: Case) -> None:
     backend = "nccl" if DEVICE == "cuda" else "gloo"
     results = run_distributed(boosted_run, case.dp, case, timeout=180, backend=backend)
     assert len({round(r["loss"], 12) for r in results}) == 1
+    if case.dp > 1 and case.plugin != "ddp":
+        assert results[-1]["padding"] > 0, (
+            "the last rank's flat pieces hold no padding: the model divides evenly"
+        )
