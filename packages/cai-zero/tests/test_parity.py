@@ -16,7 +16,7 @@ from cai.zero import ZeroConfig, ZeroOptimizer
 VOCAB = 251  # the odd default sizes of TinyTransformer: see [Note: odd test sizes] in cai.mesh.testing
 MICRO_BATCH = 2
 SEQ = 16
-BUCKET_MB = 3000 * 4 / 2**20  # ~3000 fp32 elements: about 15 buckets of odd sizes, so padding is exercised
+BUCKET_MB = 3000 * 4 / 2**20  # ~3000 fp32 elements: 15 buckets, 6 of them (7 at dp 4) end in padding
 LR = 1e-3
 # Adam divides by sqrt(v) + eps: for a gradient element of size ~eps, a rounding-level difference in the sum (the
 # reference adds the micro-batches in another order; ~1e-9 here) moves the update by ~rounding / (4 eps) of lr.
