@@ -29,6 +29,10 @@ STEPS = 20
 GLOBAL_BATCH = 8
 SEQ = 16
 LR = 1e-3
+# Adam divides by sqrt(v) + eps: a gradient element near zero (the prime vocabulary leaves some of them) differs from
+# the one-process sum by rounding, which eps = 1e-8 amplifies into parameter differences of ~2e-7 after 20 steps.
+# eps = 1e-4 keeps that at rounding / eps of lr per step, so parameters can be compared at 1e-6 relative.
+EPS = 1e-4
 MAX_NORM = 0.05  # small enough that clipping is active on every step
 
 
@@ -70,7 +74,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def reference_run(mode: str, micro: int, device: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = tiny_llama().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(STEPS):
         ids = batch(step).to(device)
@@ -97,7 +101,7 @@ def boosted_run(case: Case) -> dict:
     micro = 2 if case.mode == "accum" else 1
     model = tiny_llama()
     ref_losses, ref_params = reference_run(case.mode, micro, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     booster = Booster(plugin=make_plugin(case.plugin), device=device)
     model, opt, *_ = booster.boost(model, opt)
     padding = last_rank_padding(case.plugin, model, opt)
