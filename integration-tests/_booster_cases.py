@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from cai.mesh import LocalShard, assemble
+from cai.mesh import LocalShard, ShardSpec, assemble
 
 # Odd sizes on purpose (see [Note: odd test sizes] in cai.mesh.testing): a prime vocabulary and a width of 33 make
 # the embeddings, the norms and the 33-row projections split unevenly at dp 2 and 4, so every flat layout (ZeRO
@@ -78,3 +78,27 @@ def last_rank_padding(plugin: str, model, optimizer) -> int:
     if plugin == "fsdp":
         return sum(-p.shape[0] % world for p in model.unwrap().parameters() if p.dim())
     return 0
+
+
+def grad_pieces(plugin: str, model, optimizer) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
+    """This rank's pieces of the reduced gradients by parameter name, read where each plugin keeps them. Call
+    between the last backward of a step and ``step()``."""
+    if plugin == "ddp":
+        return {n: (p.grad, ShardSpec.full(p.shape)) for n, p in model.unwrap().named_parameters()}
+    if plugin == "fsdp":  # DTensor row shards; full_tensor() assembles them from every rank (a collective)
+        return {
+            n: (p.grad.full_tensor(), ShardSpec.full(p.shape)) for n, p in model.unwrap().named_parameters()
+        }
+    if plugin == "gemini":
+        return dict(model._cai_gemini.sharded_grads())
+    zo = optimizer.unwrap()
+    zo.grad_norm()  # reduces whatever is pending, so the bucket shards are final
+    rank, out = dist.get_rank(), {}
+    for b in zo.buckets:
+        lo = rank * b.shard  # recomputed, not read from the bucket: [Note: bucket layout] in cai-zero
+        for s in b.slots:
+            a, z = max(s.offset, lo), min(s.offset + s.numel, lo + b.shard)
+            if a < z:
+                spec = ShardSpec(global_shape=s.shape, flat_range=(a - s.offset, z - s.offset))
+                out[s.name] = (b.grad_shard[a - lo : z - lo], spec)
+    return out
