@@ -35,7 +35,8 @@ class TinyTransformer(nn.Module):
     """A GPT-style model small enough to train for 20 steps in well under a second on one CPU core.
 
     ``seed`` makes the initial weights independent of the global RNG, so a reference and a sharded run build the
-    same model. ``tie_embeddings`` shares the input embedding with the output head.
+    same model. ``tie_embeddings`` shares the input embedding with the output head. ``heads`` defaults to 4 when
+    ``hidden`` divides by 4, else 3.
 
     [Note: odd test sizes]
     The default sizes are odd on purpose: a vocabulary of 251 (prime) and a width of 33 (3 heads of 11) make most
@@ -49,12 +50,14 @@ class TinyTransformer(nn.Module):
         vocab_size: int = 251,
         hidden: int = 33,
         layers: int = 2,
-        heads: int = 3,
+        heads: int | None = None,
         max_seq: int = 32,
         tie_embeddings: bool = False,
         seed: int | None = 0,
     ) -> None:
         super().__init__()
+        if heads is None:  # 4 for the usual widths (the default before the odd sizes), 3 of 11 for 33
+            heads = 4 if hidden % 4 == 0 else 3
         if hidden % heads:
             raise ValueError(
                 f"TinyTransformer: hidden={hidden} is not divisible by heads={heads}; pick heads that divide it"
