@@ -3,7 +3,7 @@
 nox -s tests       every package's tests and integration-tests, one environment, pytest-xdist
 nox -s isolated    each package alone: its wheel plus declared dependencies, then its own tests
 nox -s build       wheels and sdists for all packages, with a metadata check
-nox -s lint        ruff format --check and ruff check
+nox -s lint        ruff format --check, ruff check, and who may import whom (.ci/check_imports.py)
 nox -s demo        the main job (examples/train_llama.py, 2 gloo processes on CPU)
 nox -s gpu         GPU tests and benchmarks on a machine that already has torch (no installs)
 """
@@ -42,6 +42,7 @@ def _install_workspace(session: nox.Session) -> None:
         "-c", CONSTRAINTS, "torch", "transformers", "triton", "safetensors", "numpy", "ninja", "peft"
     )
     session.install("-c", CONSTRAINTS, "pytest", "pytest-xdist", "hypothesis", "hatchling", "editables")
+    session.install("-c", CONSTRAINTS, "crc32c")  # cai-ckpt's checksums (it falls back to zlib without it)
     editable = [arg for p in PACKAGES for arg in ("-e", str(ROOT / "packages" / f"cai-{p}"))]
     session.install("-c", CONSTRAINTS, "--no-deps", "--no-build-isolation", *editable)
 
@@ -139,10 +140,11 @@ def isolated(session: nox.Session, package: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff format --check and ruff check over the whole repository."""
+    """ruff format --check, ruff check, and the package import rules (.ci/check_imports.py, standard library only)."""
     session.install("-c", CONSTRAINTS, "ruff")
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
+    session.run("python", str(ROOT / ".ci" / "check_imports.py"), str(ROOT))
 
 
 @nox.session

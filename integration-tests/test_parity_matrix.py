@@ -159,7 +159,10 @@ def boosted_run(case: Case) -> dict:
         atol=1e-7,
         name="loss",
     )
-    assert_close(params, ref_params, rtol=1e-6, atol=1e-7, name="params")
+    # 1e-5 relative (the bound every parity matrix uses for parameters): 20 Adam steps turn a last-bit difference in
+    # the order of a gradient sum (all-reduce vs one process) into up to ~1e-5 relative on a parameter whose
+    # gradient cancels, which a 1e-6 bound catches on some CPUs and not on others.
+    assert_close(params, ref_params, rtol=1e-5, atol=1e-7, name="params")
     return {"loss": losses[-1], "padding": padding}
 
 

@@ -7,7 +7,9 @@ torch.distributed.checkpoint, on the same Llama-shaped state (3B by default), in
 
 Tensors live on the GPU when one is present (the usual case: saving a training model) and are loaded back
 into preallocated tensors there. Every file is written to --dir and read back right away, so loads come
-mostly from the page cache, equally for every method. Prints a table; JSON goes to $OUT/bench_ckpt.json.
+mostly from the page cache, equally for every method. cai.ckpt's load is also timed with checksum verification
+on (the default) and off, alternating on the same checkpoint, to report what verification costs. Prints a table;
+JSON goes to $OUT/bench_ckpt.json.
 """
 
 from __future__ import annotations
@@ -140,6 +142,30 @@ def main() -> None:
         lambda: shutil.rmtree(root / "cai"),
     )
 
+    # What verification costs: loads of one checkpoint with verify on and off, alternating so that both see the
+    # same page cache, each a median of --repeats + 1 rounds after one untimed load.
+    ck.save_model(state, root / "cai_verify", size_per_shard=args.size_per_shard)
+    verify_times: dict[bool, list[float]] = {True: [], False: []}
+    ck.load_model(target, root / "cai_verify")
+    for _ in range(args.repeats + 1):
+        for verify in (True, False):
+            fresh_target()
+            verify_times[verify].append(
+                timed(lambda verify=verify: ck.load_model(target, root / "cai_verify", verify=verify), device)
+            )
+            check(state, target, f"cai.ckpt load verify={verify}")
+    shutil.rmtree(root / "cai_verify")
+    verify_row = {
+        "load_verify_s": statistics.median(verify_times[True]),
+        "load_no_verify_s": statistics.median(verify_times[False]),
+    }
+    verify_row["verify_cost"] = verify_row["load_verify_s"] / verify_row["load_no_verify_s"] - 1
+    print(
+        f"cai.ckpt load: verify=True {verify_row['load_verify_s']:.2f} s, verify=False "
+        f"{verify_row['load_no_verify_s']:.2f} s ({100 * verify_row['verify_cost']:+.1f}%)",
+        flush=True,
+    )
+
     rows = []
     for name, (save, load, clean) in methods.items():
         saves, loads = [], []
@@ -242,6 +268,12 @@ def main() -> None:
         + ", ".join(f"{r['method']} {r['first_blocking_s']:.2f} s" for r in rows if "first_blocking_s" in r)
         + ")"
     )
+    print(
+        f"cai.ckpt load with checksum verification: {verify_row['load_verify_s']:.3f} s "
+        f"({gb / verify_row['load_verify_s']:.2f} GB/s), without: {verify_row['load_no_verify_s']:.3f} s "
+        f"({gb / verify_row['load_no_verify_s']:.2f} GB/s); ratio {1 + verify_row['verify_cost']:.3f} "
+        f"(verification costs {100 * verify_row['verify_cost']:+.1f}% of the load)"
+    )
 
     if not os.environ.get("OUT"):
         return
@@ -254,6 +286,7 @@ def main() -> None:
         "bytes": nbytes,
         "params": params,
         "rows": rows,
+        "verify": verify_row,
     }
     (out / "bench_ckpt.json").write_text(json.dumps(result, indent=2))
 

@@ -1,13 +1,17 @@
-"""Single-process checkpoint round trips through the Booster (the cross-plugin matrix is in integration-tests)."""
+"""Checkpoint round trips through the Booster, save safety and load verification (the cross-plugin matrix is in
+integration-tests)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
+import cai.ckpt
 from cai.booster import Booster
-from cai.mesh.testing import TinyTransformer, make_batch
+from cai.mesh.testing import TinyTransformer, make_batch, run_distributed
 
 
 def _boosted(seed: int):
@@ -59,3 +63,125 @@ def test_async_save_then_load(tmp_path) -> None:
     for p, q in zip(model.parameters(), other.parameters()):
         assert torch.equal(p, q)
     assert opt.state_dict()["state"][0]["step"] == other_opt.state_dict()["state"][0]["step"]
+
+
+# ---- save safety and verification through the Booster -----------------------------------------------------------
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _flip_middle_of_biggest(directory: Path, prefix: str) -> Path:
+    shard = max(directory.glob(f"{prefix}-*.safetensors"), key=lambda p: p.stat().st_size)
+    raw = bytearray(shard.read_bytes())
+    mid = len(raw) // 2
+    for i in range(mid, mid + 64):
+        raw[i] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    return shard
+
+
+def test_saves_refuse_user_files_and_leave_them(tmp_path) -> None:
+    booster, model, opt = _boosted(0)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("x\n")
+    (tmp_path / "file").write_bytes(b"data")
+    (tmp_path / "run" / "step-000001").mkdir(parents=True)
+    (tmp_path / "run" / "step-000001" / "notes.txt").write_text("y\n")
+    before = _snapshot(tmp_path)
+    for save in (
+        lambda p: booster.save_model(model, p, shard=True),
+        lambda p: booster.save_model(model, p, use_async=True),
+        lambda p: booster.save_optimizer(opt, p, shard=True),
+        lambda p: booster.save_optimizer(opt, p, use_async=True),
+    ):
+        with pytest.raises(FileExistsError, match="out: it is a directory of files cai-ckpt did not write"):
+            save(tmp_path / "out")
+        with pytest.raises(FileExistsError, match="file: it is a file of 4 bytes"):
+            save(tmp_path / "file")
+    with pytest.raises(FileExistsError, match="step-000001: it is a directory of files"):
+        booster.save_state(tmp_path / "run", step=1, model=model, optimizer=opt)
+    assert _snapshot(tmp_path) == before
+    booster.save_model(model, tmp_path / "model")
+    booster.save_model(model, tmp_path / "model")  # an earlier cai checkpoint is replaced
+
+
+def test_flipped_bytes_fail_load_model_and_load_optimizer_unless_verify_is_off(tmp_path) -> None:
+    booster, model, opt = _boosted(0)
+    ids, labels = make_batch()
+    opt.backward(TinyTransformer.loss(model(ids), labels))
+    opt.step()
+    booster.save_model(model, tmp_path / "model", shard=True, size_per_shard=0.01)
+    booster.save_optimizer(opt, tmp_path / "optim", shard=True, size_per_shard=0.01)
+    shard = _flip_middle_of_biggest(tmp_path / "model", "model")
+    other_booster, other, other_opt = _boosted(5)
+    with pytest.raises(cai.ckpt.CheckpointError, match=f"{shard} fails checksum verification \\(tensor '"):
+        other_booster.load_model(other, tmp_path / "model")
+    other_booster.load_model(other, tmp_path / "model", verify=False)
+    shard = _flip_middle_of_biggest(tmp_path / "optim", "optimizer")
+    with pytest.raises(cai.ckpt.CheckpointError, match=f"{shard} fails checksum verification \\(tensor '"):
+        other_booster.load_optimizer(other_opt, tmp_path / "optim")
+    other_booster.load_optimizer(other_opt, tmp_path / "optim", verify=False)
+    booster.save_state(tmp_path / "run", step=1, model=model, optimizer=opt)
+    shard = _flip_middle_of_biggest(tmp_path / "run" / "step-000001" / "model", "model")
+    with pytest.raises(cai.ckpt.CheckpointError, match=f"{shard} fails checksum verification"):
+        other_booster.load_state(tmp_path / "run", model=other, optimizer=other_opt)
+    other_booster.load_state(tmp_path / "run", model=other, optimizer=other_opt, verify=False)
+
+
+def _zero_run(path: str) -> dict[str, str]:
+    import torch.distributed as dist
+
+    from cai.booster.plugin import LowLevelZeroPlugin
+
+    def boosted(seed: int):
+        booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"), device="cpu")
+        model = TinyTransformer(seed=seed, hidden=64)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt, *_ = booster.boost(model, opt)
+        return booster, model, opt
+
+    root = Path(path)
+    booster, model, opt = boosted(0)
+    ids, labels = make_batch(seed=dist.get_rank())
+    booster.backward(TinyTransformer.loss(model(ids), labels), opt)
+    opt.step()
+    out = {}
+    try:
+        booster.save_model(model, root / "user", shard=True)
+        out["user"] = "saved"
+    except FileExistsError as e:
+        out["user"] = str(e)
+    booster.save_model(model, root / "model", shard=True, size_per_shard=0.02)
+    booster.save_optimizer(opt, root / "optim", shard=True, size_per_shard=0.02)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _flip_middle_of_biggest(root / "model", "model")
+        _flip_middle_of_biggest(root / "optim", "optimizer")
+    dist.barrier()
+    other_booster, other, other_opt = boosted(5)
+    for name, load in (
+        ("model", lambda **kw: other_booster.load_model(other, root / "model", **kw)),
+        ("optim", lambda **kw: other_booster.load_optimizer(other_opt, root / "optim", **kw)),
+    ):
+        try:
+            load()
+            out[name] = "loaded"
+        except cai.ckpt.CheckpointError as e:
+            out[name] = str(e)
+        load(verify=False)
+    return out
+
+
+def test_two_ranks_zero_refuses_user_files_and_every_rank_fails_a_damaged_load(tmp_path) -> None:
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "notes.txt").write_text("x\n")
+    results = run_distributed(_zero_run, 2, str(tmp_path), timeout=300)
+    assert (
+        results[0]["user"] == results[1]["user"]
+        and "directory of files cai-ckpt did not write" in (results[0]["user"])
+    )
+    assert (tmp_path / "user" / "notes.txt").read_text() == "x\n"
+    assert sorted(p.name for p in (tmp_path / "user").iterdir()) == ["notes.txt"]
+    for name in ("model", "optim"):
+        for r in results:
+            assert "fails checksum verification (tensor '" in r[name] and "found by ranks" in r[name], r[name]

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -164,6 +165,17 @@ def test_cai_run_reports_host_command_and_remote_error(worker: Path) -> None:
     assert "ssh: Could not resolve hostname badhost" in err.split("remote error")[1]
 
 
+def test_cai_run_hostfile_returns_the_failing_ranks_exit_code(tmp_path: Path) -> None:
+    (tmp_path / "fail.py").write_text(FAILING_WORKER)
+    _fake_ssh(tmp_path)
+    cmd = [*_cai(), "run", "-H", "nodeA,nodeB", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+           "--master_port", "{port}", "fail.py"]  # fmt: skip
+    proc = _launch(cmd, env=_env(CAI_SSH=str(tmp_path / "ssh.sh")), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "[nodeB] cai run: rank 1 (local_rank 0) exited with code 3" in proc.stderr
+    assert "cai run: node nodeB (node_rank 1) failed with exit code 3" in proc.stderr
+
+
 def test_cai_run_dry_run_commands(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["run", "--dry_run", "--nproc_per_node", "4", "--nnodes", "2", "--node_rank", "1",
                  "--master_addr", "10.0.0.1", "--master_port", "1234", "--extra_launch_args", "max_restarts=3,no_python",
@@ -186,13 +198,15 @@ def test_cai_run_dry_run_commands(capsys: pytest.CaptureFixture[str], tmp_path: 
     )
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("ssh -o BatchMode=yes n1 ") and " n2 " in lines[1]
-    assert "--node_rank=1 --master_addr=n1 --master_port=29500" in lines[1] and "--nnodes=2" in lines[1]
+    assert (
+        "-m cai.mesh._cli run --nproc_per_node=8 --nnodes=2 --node_rank=1 --master_addr=n1 --master_port=29500 t.py"
+        in lines[1]
+    )
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["run", "--nproc_per_node", "0", "t.py"], "--nproc_per_node must be >= 1, got 0"),
         (["run", "--nproc_per_node", "1", "train"], "'train' is not a .py file; use -m to run a module"),
         (["run", "--include", "a", "t.py"], "--include/--exclude need --hostfile or --host"),
         (
@@ -205,12 +219,168 @@ def test_cai_run_dry_run_commands(capsys: pytest.CaptureFixture[str], tmp_path: 
         ),
         (["run", "-H", "a", "--exclude", "a", "t.py"], "no hosts left to run on"),
         (["run", "--hostfile", "/nonexistent/hosts", "t.py"], "No such file or directory"),
+        (["run", "-H", "", "t.py"], "-H/--host '' lists no hosts"),
+        (["run", "-H", " , ", "t.py"], "-H/--host ' , ' lists no hosts"),
+        (["run", "--nnodes", "2", "--node_rank", "2", "t.py"], "--node_rank 2 must be < --nnodes 2"),
     ],
-    ids=["nproc", "not-py", "include-alone", "include-exclude", "unknown-host", "none-left", "no-hostfile"],
+    ids=[
+        "not-py",
+        "include-alone",
+        "include-exclude",
+        "unknown-host",
+        "none-left",
+        "no-hostfile",
+        "empty-host",
+        "blank-hosts",
+        "node-rank",
+    ],
 )
 def test_cai_run_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--master_port", "99999"],
+            "argument --master_port/--master-port: 99999 is not a port number (1..65535)",
+        ),
+        (["--master_port", "0"], "0 is not a port number (1..65535)"),
+        (["--master_port", "http"], "'http' is not a port number (1..65535)"),
+        (["--ssh_port", "70000"], "argument --ssh_port/--ssh-port: 70000 is not a port number"),
+        (["--nproc_per_node", "0"], "the number of processes must be >= 1, got 0"),
+        (["--nproc_per_node", "two"], "'two' is not an integer"),
+        (["--node_rank", "-1"], "a node rank must be >= 0, got -1"),
+        (["--nnodes", "3:2"], "'3:2' is not N or MIN:MAX with 1 <= MIN <= MAX"),
+        (["--nnodes", "0"], "'0' is not N or MIN:MAX"),
+        (
+            ["--rdzv_endpoint", "h:99999"],
+            "The port number of the rendezvous endpoint 'h:99999' must be an integer",
+        ),
+        (["--rdzv_endpoint", "h h:1"], "The hostname of the rendezvous endpoint 'h h:1' must be"),
+        (["--rdzv_timeout", "0"], "argument --rdzv_timeout/--rdzv-timeout: must be positive, got 0"),
+        (["--max_restarts", "-2"], "--max-restarts: the number of restarts must be >= 0, got -2"),
+    ],
+    ids=[
+        "port-range",
+        "port-zero",
+        "port-text",
+        "ssh-port",
+        "nproc",
+        "nproc-text",
+        "node-rank",
+        "nnodes-order",
+        "nnodes-zero",
+        "endpoint-port",
+        "endpoint-bracket",
+        "rdzv-timeout",
+        "max-restarts",
+    ],
+)
+def test_cai_run_malformed_arguments_get_one_line_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(["run", *argv, "t.py"])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cai run: error: ") and message in lines[0], lines
+    assert lines[0].endswith("(see `cai run --help`)")
+
+
+def test_cai_run_accepts_well_formed_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra in (["--rdzv_endpoint", "[::1]:29400"], ["--rdzv_endpoint", "h"], ["--nnodes", "1:4"]):
+        assert main(["run", "--dry_run", "--nproc_per_node", "1", *extra, "t.py"]) == 0
+    assert "--nnodes=1:4" in capsys.readouterr().out
+    # With a rendezvous endpoint, --rdzv_timeout becomes torchrun's join_timeout, next to the user's own conf.
+    argv = ["run", "--dry_run", "--nproc_per_node", "1", "--rdzv_endpoint", "h:1", "--rdzv_timeout", "30"]
+    assert main([*argv, "--rdzv_conf", "read_timeout=9", "t.py"]) == 0
+    assert "--rdzv_conf=read_timeout=9,join_timeout=30 t.py" in capsys.readouterr().out
+    assert main([*argv, "--rdzv_conf", "join_timeout=5", "t.py"]) == 0
+    assert "--rdzv_conf=join_timeout=5 t.py" in capsys.readouterr().out
+
+
+def test_cai_run_bad_port_from_the_shell() -> None:
+    proc = subprocess.run([*_cai(), "run", "--master_port", "99999", "t.py"], env=_env(), capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "cai run: error: argument --master_port/--master-port: 99999 is not a port number (1..65535) "
+        "(see `cai run --help`)"
+    ]
+
+
+FAILING_WORKER = textwrap.dedent(
+    """
+    import sys
+    import torch.distributed as dist
+    from cai.mesh import launch_from_torch
+
+    launch_from_torch(verbose=False)
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(3 if rank == 1 else 0)
+    """
+)
+
+
+def test_cai_run_returns_the_failing_ranks_exit_code(tmp_path: Path) -> None:
+    (tmp_path / "fail.py").write_text(FAILING_WORKER)
+    cmd = [*_cai(), "run", "--nproc_per_node", "2", "--master_port", "{port}", "fail.py"]
+    proc = _launch(cmd, env=_env(), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "cai run: rank 1 (local_rank 1) exited with code 3" in proc.stderr
+
+
+def test_cai_run_nnodes_reports_missing_nodes_and_gives_up(tmp_path: Path) -> None:
+    port = _free_port()
+    cmd = [*_cai(), "run", "--nproc_per_node", "1", "--nnodes", "2", "--master_port", str(port),
+           "--rdzv_timeout", "4", "t.py"]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert time.monotonic() - start < 60
+    err = proc.stderr
+    assert f"cai run: waiting for 1 of 2 nodes (node_rank 1) at 127.0.0.1:{port}" in err, err
+    assert (
+        f"cai run: 1 of 2 nodes joined at 127.0.0.1:{port} within 4 s (--rdzv_timeout); missing node_rank 1"
+        in err
+    )
+
+
+def test_cai_run_nnodes_starts_when_the_last_node_joins(worker: Path) -> None:
+    out = worker.parent / "out"
+    port = str(_free_port())
+
+    def node(rank: int) -> subprocess.Popen:
+        cmd = [*_cai(), "run", "--nproc_per_node", "1", "--nnodes", "2", "--node_rank", str(rank),
+               "--master_port", port, "--rdzv_timeout", "90", str(worker), str(out), "n"]  # fmt: skip
+        return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=worker.parent)  # fmt: skip
+
+    first = node(0)
+    second = None
+    try:
+        seen = []
+        for line in first.stderr:  # node 0 says what it waits for before the second node starts
+            seen.append(line)
+            if "waiting for 1 of 2 nodes (node_rank 1)" in line:
+                break
+        assert seen and "waiting for 1 of 2 nodes" in seen[-1], seen
+        second = node(1)
+        out0, err0 = first.communicate(timeout=110)
+        out1, err1 = second.communicate(timeout=60)
+        assert first.returncode == 0 and second.returncode == 0, out0 + err0 + out1 + err1
+        assert _results(out) == ["2 3.0 n", "2 3.0 n"]
+        assert "recvValue failed" not in err1  # node 1 saw node 0's store close without a failed request
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 def test_hostfile_parsing(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -24,6 +25,21 @@ from cai.zero._loss_scale import DynamicLossScaler
 def test_zero_config_names_the_bad_value(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         ZeroConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(reduce_bucket_size=-1), "LowLevelZeroOptimizer: reduce_bucket_size=-1 must be > 0 (elements"),
+        (dict(reduce_bucket_size=0), "LowLevelZeroOptimizer: reduce_bucket_size=0 must be > 0"),
+        (dict(clip_grad_norm=-1.0), "LowLevelZeroOptimizer: clip_grad_norm=-1.0 must be >= 0"),
+    ],
+)
+def test_low_level_zero_optimizer_errors_use_its_own_names_and_units(kwargs, message) -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        LowLevelZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, **kwargs)
+    assert "bucket_size_mb" not in str(info.value) and "max_norm" not in str(info.value)
 
 
 @pytest.mark.parametrize(

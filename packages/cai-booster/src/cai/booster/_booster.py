@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,10 @@ from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
 from cai.booster.plugin import PLUGINS, BoostContext, Plugin, TorchDDPPlugin
 
 __all__ = ["Booster"]
+
+# The user's modules that boost() sharded or wrapped in place, with the plugin's name: a second boost() of the same
+# module would shard it twice. Weak, and outside the module, so that a copy.deepcopy of a module can be boosted.
+_BOOSTED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 def _names(predicate: Callable[[type], bool]) -> str:
@@ -83,6 +88,7 @@ class Booster:
             )
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("Booster: device='cuda' but CUDA is not available; use device='cpu'")
+        self.plugin.check_device(self.device)
 
     # ---- boost ------------------------------------------------------------------------------------------
     def boost(
@@ -99,19 +105,38 @@ class Booster:
         from ``from_pretrained`` inside the context, its safetensors weights are read into the shards here.
         Build the optimizer on ``model.parameters()`` before calling this, and the LR scheduler on the optimizer:
         both keep working on the boosted objects.
+
+        Before the plugin shards or wraps anything, the data-parallel ranks check that they built the same model
+        (parameter and persistent-buffer names, shapes, dtypes: a difference raises ``ValueError`` on every rank)
+        and take rank 0's weights, as DDP does; see [Note: replicas agree at boost] in ``cai.booster._replicas``.
         """
         if isinstance(model, ModelWrapper):
-            raise ValueError("Booster.boost: the model is already boosted; boost each model once")
+            raise ValueError(
+                "Booster.boost: the model is already boosted (it is the ModelWrapper that boost() returned); boost "
+                "each model once and keep using the returned model"
+            )
+        done = _BOOSTED.get(model)
+        if done is not None:
+            raise ValueError(
+                f"Booster.boost: this {type(model).__name__} was already boosted by {done}, which sharded or "
+                "wrapped it in place; boost each model once and use the model that boost() returned (build a new "
+                "model to boost it again)"
+            )
+        _check_optimizer(model, optimizer)
         ctx = BoostContext(
             device=self.device,
             mixed_precision=self.mixed_precision,
             pretrained=pretrained_path(model) if is_lazy(model) else None,
         )
-        return self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, ctx)
+        self.plugin.sync_replicas(model)
+        boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, ctx)
+        _BOOSTED[model] = self.plugin.name
+        return boosted
 
     # ---- training-step helpers ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
         """Backward through the optimizer (which applies the loss scale and starts gradient reduction)."""
+        _check_boosted(optimizer, OptimizerWrapper, "backward", "optimizer")
         optimizer.backward(loss)
 
     @contextlib.contextmanager
@@ -128,6 +153,10 @@ class Booster:
                 f"of every micro-step are reduced and summed); plugins with no_sync: "
                 f"{_names(lambda p: p.NO_SYNC)}"
             )
+        if model is not None:
+            _check_boosted(model, ModelWrapper, "no_sync", "model")
+        if optimizer is not None:
+            _check_boosted(optimizer, OptimizerWrapper, "no_sync", "optimizer")
         with self.plugin.no_sync(model, optimizer):
             yield
 
@@ -177,6 +206,7 @@ class Booster:
 
         if not self.plugin.support_lora():
             raise ValueError(f"Booster.save_lora_as_pretrained: {self.plugin.name} does not support LoRA")
+        _check_boosted(model, ModelWrapper, "save_lora_as_pretrained", "model")
         save_lora_as_pretrained(model.unwrap(unwrap_peft=False), checkpoint)
 
     # ---- checkpoints (all through cai-ckpt) ---------------------------------------------------------------
@@ -195,11 +225,14 @@ class Booster:
 
         Always safetensors, always a directory with an index; ``shard=False`` writes one file when the model fits
         in ``size_per_shard`` MB. ``gather_dtensor``, ``prefix`` and ``use_safetensors`` are accepted for
-        Colossal-AI compatibility: no rank gathers the model and pickle is never written.
+        Colossal-AI compatibility: no rank gathers the model and pickle is never written. ``checkpoint`` may be
+        new, empty, or an earlier cai checkpoint (replaced atomically); a file or a directory holding other files
+        raises ``FileExistsError`` on every rank before anything is written.
         """
         import cai.ckpt
 
         _check_prefix(prefix)
+        _check_boosted(model, ModelWrapper, "save_model", "model")
         cai.ckpt.save_model(
             self.plugin.model_state(model),
             checkpoint,
@@ -215,11 +248,20 @@ class Booster:
         strict: bool = True,
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
+        *,
+        verify: bool = True,
     ) -> None:
-        """Load a checkpoint saved under any plugin and layout (or a Hugging Face safetensors directory)."""
+        """Load a checkpoint saved under any plugin and layout (or a Hugging Face safetensors directory).
+
+        ``verify`` (default) checks every byte read against the checkpoint's checksums and raises
+        ``cai.ckpt.CheckpointError`` naming the file and tensor on a mismatch; ``verify=False`` skips it.
+        """
         import cai.ckpt
 
-        cai.ckpt.load_model(LoadView(self.plugin.model_state(model)), checkpoint, strict=strict)
+        _check_boosted(model, ModelWrapper, "load_model", "model")
+        cai.ckpt.load_model(
+            LoadView(self.plugin.model_state(model)), checkpoint, strict=strict, verify=verify
+        )
 
     def save_optimizer(
         self,
@@ -254,13 +296,15 @@ class Booster:
         *,
         model: ModelWrapper | None = None,
         strict: bool = True,
+        verify: bool = True,
     ) -> None:
-        """Load optimizer state saved by ``save_optimizer`` under any plugin and layout."""
+        """Load optimizer state saved by ``save_optimizer`` under any plugin and layout (``verify``: as for
+        ``load_model``)."""
         import cai.ckpt
 
         _check_prefix(prefix)
         cai.ckpt.load_optimizer(
-            self._optimizer_state(optimizer, model, for_load=True), checkpoint, strict=strict
+            self._optimizer_state(optimizer, model, for_load=True), checkpoint, strict=strict, verify=verify
         )
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike) -> None:
@@ -291,6 +335,7 @@ class Booster:
         position) as ``checkpoint/step-NNNNNN``; returns that directory."""
         import cai.ckpt
 
+        _check_boosted(model, ModelWrapper, "save_state", "model")
         final = cai.ckpt.save_state(
             checkpoint,
             model=self.plugin.model_state(model),
@@ -319,11 +364,13 @@ class Booster:
         dataloader: Any = None,
         step: int | None = None,
         strict: bool = True,
+        verify: bool = True,
     ) -> dict[str, Any]:
         """Restore what ``save_state`` wrote (the latest step, or ``step``) under any plugin and layout; returns
-        ``{"step": int, "extra": dict, "path": Path}``."""
+        ``{"step": int, "extra": dict, "path": Path}`` (``verify``: as for ``load_model``)."""
         import cai.ckpt
 
+        _check_boosted(model, ModelWrapper, "load_state", "model")
         return cai.ckpt.load_state(
             checkpoint,
             model=LoadView(self.plugin.model_state(model)),
@@ -335,11 +382,15 @@ class Booster:
             dataloader=dataloader,
             step=step,
             strict=strict,
+            verify=verify,
         )
 
     def _optimizer_state(
         self, optimizer: OptimizerWrapper, model: ModelWrapper | None, *, for_load: bool = False
     ) -> Any:
+        _check_boosted(optimizer, OptimizerWrapper, "save_optimizer/load_optimizer/save_state", "optimizer")
+        if model is not None:
+            _check_boosted(model, ModelWrapper, "save_optimizer/load_optimizer/save_state", "model")
         model = model if model is not None else getattr(optimizer, "boosted_model", None)
         if model is None:
             raise ValueError(
@@ -351,6 +402,40 @@ class Booster:
         # the first step must still write every key.
         self.plugin.prepare_optimizer_load(optimizer)
         return LoadView(state) if for_load else state
+
+
+def _check_boosted(obj: Any, kind: type, method: str, what: str) -> None:
+    if not isinstance(obj, kind):
+        raise TypeError(
+            f"Booster.{method}: {what} is a {type(obj).__module__}.{type(obj).__name__}, not the {what} that "
+            f"boost() returned; pass the boosted {what} (model, optimizer, *_ = booster.boost(model, optimizer))"
+        )
+
+
+def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """The optimizer must be a torch optimizer over (some of) this model's parameters."""
+    if optimizer is None:
+        return
+    if isinstance(optimizer, OptimizerWrapper):
+        raise ValueError(
+            "Booster.boost: the optimizer is already boosted (it is the wrapper that boost() returned); pass the "
+            "torch optimizer built on model.parameters() and boost it together with its model once"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"Booster.boost: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; build one "
+            "on model.parameters() (or pass optimizer=None)"
+        )
+    own = {id(p) for p in model.parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = sum(id(p) not in own for p in params)
+    if foreign:
+        raise ValueError(
+            f"Booster.boost: the optimizer ({type(optimizer).__name__}) holds parameters that are not in the model "
+            f"({foreign} of its {len(params)}; the {type(model).__name__} has {len(own)}): it was built over another "
+            "model or a copy of this one; build it on this model's "
+            "parameters right before boost(): optimizer = AdamW(model.parameters(), ...)"
+        )
 
 
 def _scaler(optimizer: OptimizerWrapper | None) -> Any:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 __all__ = ["ResumableDataLoader", "StatefulDistributedSampler", "prepare_dataloader"]
 
@@ -105,6 +105,26 @@ class _WorkerInit:
         _seed_worker(worker_id, base_seed=self.base_seed)
 
 
+def _check_dataset(dataset: Any) -> None:
+    # The sampler needs len(dataset) and indexes it; without these checks torch fails inside DistributedSampler
+    # with "object of type ... has no len()".
+    if dataset is None:
+        raise ValueError("prepare_dataloader: dataset is None; pass the map-style dataset to load from")
+    if isinstance(dataset, DataLoader):
+        raise TypeError(
+            "prepare_dataloader: got a DataLoader; pass its dataset (prepare_dataloader(loader.dataset, ...)): the "
+            "plugin builds the DataLoader with a sampler that gives each data-parallel rank its share"
+        )
+    if isinstance(dataset, IterableDataset) or not (
+        hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+    ):
+        raise TypeError(
+            f"prepare_dataloader: {type(dataset).__name__} is not a map-style dataset (it needs __len__ and "
+            "__getitem__ for the distributed sampler); an iterable dataset must split itself across ranks: build "
+            "its DataLoader yourself and pass it to boost(dataloader=...)"
+        )
+
+
 def prepare_dataloader(
     dataset: Dataset,
     batch_size: int,
@@ -125,6 +145,7 @@ def prepare_dataloader(
     """
     if batch_size < 1:
         raise ValueError(f"prepare_dataloader: batch_size {batch_size} must be >= 1")
+    _check_dataset(dataset)
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"prepare_dataloader: dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
     for key in ("sampler", "batch_sampler"):

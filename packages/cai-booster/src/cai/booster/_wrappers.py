@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cai.booster._precision import DynamicLossScaler, grads_have_inf
+from cai.mesh import advance_step
 
 __all__ = ["ModelWrapper", "OptimizerWrapper"]
 
@@ -83,6 +84,7 @@ class OptimizerWrapper:
         self._unscaled = False
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        advance_step()  # the step that collective timeouts report (a skipped fp16 step still counts)
         if self.scaler is None:
             return self.optim.step(*args, **kwargs)
         self._unscale()

@@ -185,7 +185,9 @@ def save_model(
     Args:
         source: an ``nn.Module`` (its state dict; DDP/compile wrappers are unwrapped), a dict of full tensors,
             or an object with ``sharded_state_dict()`` (the state protocol; fp32 masters when it has them).
-        path: the directory to create; replaced atomically if it exists.
+        path: the directory to create. An existing checkpoint written by cai-ckpt is replaced atomically; an
+            empty directory is filled; anything else there (a file, a directory with other files) makes every
+            rank raise ``FileExistsError`` before any rank writes.
         size_per_shard: the largest shard file, in MB (a bigger tensor gets a file of its own).
         use_async: copy to host buffers, then write in a background thread; ``wait()`` (or the next save, or
             exit) blocks until it is committed.
@@ -224,6 +226,8 @@ def save_optimizer(
 
     ``optimizer`` is a sharded optimizer (state protocol) or a plain torch optimizer, whose parameters are named
     by ``model`` (``named_parameters``) or ``param_names`` (a list in optimizer order, or a dict param -> name).
+    ``path`` follows ``save_model``'s rule: only nothing, an empty directory or an earlier cai-ckpt checkpoint may
+    be there.
     """
     wait()
     txn = Transaction(Path(path), group=group, info={"kind": "optimizer"})
@@ -262,10 +266,13 @@ def prepare_model_load(
     if hasattr(target, "load_sharded_state_dict"):
         local = {k: s.spec.global_shape for k, s in target.sharded_state_dict().items()}
         reader.check(_union_over_ranks(local, group), strict=strict)
+        # Each rank reads (and verifies) different bytes: the load runs to its end on every rank, then all raise.
+        reader.defer_failures = True
 
         def apply() -> None:
             with reader:
                 target.load_sharded_state_dict(reader.read)
+            reader.raise_if_corrupt(group)
 
         return apply
     if isinstance(target, nn.Module):
@@ -307,7 +314,7 @@ def prepare_model_load(
 
 
 def load_model(
-    target: Any, path: str | Path, *, strict: bool = True, verify: bool = False, group: Any = None
+    target: Any, path: str | Path, *, strict: bool = True, verify: bool = True, group: Any = None
 ) -> None:
     """Load a model checkpoint (cai's or a Hugging Face safetensors directory) into ``target``, any layout.
 
@@ -315,18 +322,20 @@ def load_model(
         target: an ``nn.Module`` or an object with ``sharded_state_dict()``/``load_sharded_state_dict(read)``;
             each rank reads only the slices its layout needs.
         strict: missing or unexpected keys raise ``CheckpointError`` listing them (tied weights stored once are fine).
-        verify: check every file's CRC32 against the manifest first.
+        verify: check the bytes read against the manifest's checksums (each rank the blocks it reads); a
+            mismatch raises ``CheckpointError`` naming the file and the tensor. ``False`` skips it.
         group: the ranks that load together (a sharded target's keys are checked as their union).
 
-    Shapes are checked, each damaged file is named, and tensors are converted to the target's dtype.
-    Nothing is copied until every check has passed.
+    Keys, shapes, file sizes and headers are checked, each damaged file is named, and tensors are converted to
+    the target's dtype; nothing is copied until those checks have passed. Checksums are verified as the bytes are
+    read, so a corrupted file raises with part of the target loaded (every rank raises, for a sharded target).
     """
     wait()
     prepare_model_load(target, Path(path), strict=strict, verify=verify, group=group)()
 
 
 def prepare_optimizer_load(
-    optimizer: Any, path: Path, param_names: Any, *, strict: bool, verify: bool
+    optimizer: Any, path: Path, param_names: Any, *, strict: bool, verify: bool, group: Any = None
 ) -> Callable[[], None]:
     reader = CheckpointReader(path, index_name=OPTIM_INDEX_NAME, single_name=None, verify=verify)
     groups_doc = read_json_tensors(path / PARAM_GROUPS_NAME.removesuffix(".json"), reader._check_file)
@@ -347,10 +356,12 @@ def prepare_optimizer_load(
     if not isinstance(view, TorchOptimizerAdapter):
         current = {k: s.spec.global_shape for k, s in view.sharded_state_dict().items()}
         reader.check(current, strict=False)
+        reader.defer_failures = True  # as for a sharded model: every rank raises together
 
         def apply_sharded() -> None:
             with reader:
                 view.load_sharded_state_dict(reader.read)
+            reader.raise_if_corrupt(group)
             view.load_param_groups_state(groups_doc["param_groups"])
 
         return apply_sharded
@@ -370,10 +381,21 @@ def load_optimizer(
     model: Any = None,
     param_names: Any = None,
     strict: bool = True,
-    verify: bool = False,
+    verify: bool = True,
+    group: Any = None,
 ) -> None:
-    """Load optimizer state saved by ``save_optimizer`` under any layout (see ``load_model`` for the checks)."""
+    """Load optimizer state saved by ``save_optimizer`` under any layout (see ``load_model`` for the checks).
+
+    ``verify`` (default) checks the bytes read against the manifest's checksums; a plain torch optimizer is left
+    untouched when they do not match (it is loaded after every tensor was read), a sharded one may be partly
+    loaded. ``group``: the ranks that load a sharded optimizer together (default: the world).
+    """
     wait()
     prepare_optimizer_load(
-        optimizer, Path(path), model if model is not None else param_names, strict=strict, verify=verify
+        optimizer,
+        Path(path),
+        model if model is not None else param_names,
+        strict=strict,
+        verify=verify,
+        group=group,
     )()

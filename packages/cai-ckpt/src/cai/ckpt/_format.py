@@ -4,7 +4,8 @@
 The safetensors library serialises a whole dict at once, so a rank would hold a full shard file in memory
 before the first byte is written. The format is a little-endian u64 header length, a JSON header
 (name -> dtype, shape, byte offsets; ``__metadata__``) and the raw bytes, so it is written here tensor by
-tensor, with the CRC32 of the file computed on the way. Reading uses the safetensors library (mmap and
+tensor, with the checksums of the header and of every tensor's blocks computed on the way
+(see [Note: block checksums] in ``_checksum.py``). Reading uses the safetensors library (mmap and
 slicing), after the header has been validated here so that a damaged file is reported by name.
 """
 
@@ -17,14 +18,15 @@ import queue
 import struct
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cai.ckpt._checksum import BLOCK, BlockSums, algorithm, checksum_function, pack
+
 FORMAT_NAME = "cai-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-block CRC32C of every tensor; 1: a CRC32 per file
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 MODEL_INDEX_NAME = "model.safetensors.index.json"
@@ -118,17 +120,16 @@ class SafetensorsWriter:
         self.path = path
         self._file = open(path, "wb")  # noqa: SIM115 -- closed in close()
         self._bytes = 0
-        self._crc = _Crc()  # the CRC of chunk i overlaps the write of chunk i+1
+        self._sums = _Sums(self._order)
         self._next = 0
         self._delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
-        self._put(memoryview(struct.pack("<Q", len(raw)) + raw))
+        self._put(memoryview(struct.pack("<Q", len(raw)) + raw), None, None)
 
-    def _put(self, mv: memoryview, owner: Any = None) -> None:
+    def _put(self, mv: memoryview, owner: Any, name: str | None) -> None:
         for i in range(0, len(mv), _CHUNK):
             chunk = mv[i : i + _CHUNK]
-            self._crc.put(
-                chunk, owner
-            )  # ``owner`` keeps the memory alive until the CRC thread is done with it
+            # ``owner`` keeps the memory alive until the checksum thread is done with it.
+            self._sums.put(chunk, owner, name)
             self._file.write(chunk)
             self._bytes += len(chunk)
 
@@ -142,48 +143,61 @@ class SafetensorsWriter:
             raise RuntimeError(
                 f"SafetensorsWriter: {name!r} has {len(mv)} bytes, header says {self._sizes[name]}"
             )
-        self._put(mv, data)
+        self._put(mv, data, name)
         self._next += 1
         if self._delay:
             time.sleep(self._delay)
 
     def close(self) -> dict[str, int]:
-        """Finish the file; returns its manifest entry (bytes, crc32)."""
+        """Finish the file; returns its manifest entry (bytes, header and block checksums)."""
         if self._next != len(self._order):
             raise RuntimeError(
                 f"SafetensorsWriter: {self.path.name} closed after {self._next} of {len(self._order)} tensors"
             )
-        crc = self._crc.result()
+        sums = self._sums.result()
         self._file.flush()
         os.fsync(self._file.fileno())  # durable before the commit marker says so
         self._file.close()
-        return {"bytes": self._bytes, "crc32": crc}
+        return {"bytes": self._bytes, "checksums": sums}
 
 
-class _Crc:
-    """CRC32 of a byte stream computed in a helper thread (zlib releases the GIL on large buffers).
+class _Sums:
+    """The header checksum and every tensor's block checksums (see [Note: block checksums]), computed in a helper
+    thread so that checksumming chunk i overlaps the write of chunk i+1 (the CRC functions release the GIL).
 
     A plain thread rather than an executor: asynchronous saves may still be writing at interpreter exit,
     when executors refuse new work.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, names: list[str]) -> None:
+        self.algorithm = algorithm()
+        self._fn = checksum_function(self.algorithm)
+        self._header = 0
+        self._tensors = {name: BlockSums(self._fn) for name in names}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._value = 0
         self._thread = threading.Thread(target=self._main, daemon=True)
         self._thread.start()
 
     def _main(self) -> None:
         while (item := self._queue.get()) is not None:
-            self._value = zlib.crc32(item[0], self._value)
+            chunk, _, name = item
+            if name is None:
+                self._header = self._fn(chunk, self._header)
+            else:
+                self._tensors[name].update(chunk)
 
-    def put(self, chunk: memoryview, owner: Any = None) -> None:
-        self._queue.put((chunk, owner))
+    def put(self, chunk: memoryview, owner: Any, name: str | None) -> None:
+        self._queue.put((chunk, owner, name))
 
-    def result(self) -> int:
+    def result(self) -> dict[str, Any]:
         self._queue.put(None)
         self._thread.join()
-        return self._value
+        return {
+            "algorithm": self.algorithm,
+            "block": BLOCK,
+            "header": self._header,
+            "tensors": {name: pack(sums.finish()) for name, sums in self._tensors.items()},
+        }
 
 
 def write_json(path: Path, obj: Any) -> dict[str, int]:
@@ -192,7 +206,8 @@ def write_json(path: Path, obj: Any) -> dict[str, int]:
     tmp = path.with_name(path.name + ".partial")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+    name = algorithm()
+    return {"bytes": len(data), name: checksum_function(name)(data, 0)}
 
 
 def read_json(path: Path) -> Any:
@@ -206,11 +221,13 @@ def read_json(path: Path) -> Any:
         ) from None
 
 
-def file_crc32(path: Path) -> int:
+def file_checksum(path: Path, name: str) -> int:
+    """The whole-file checksum ``name`` (``crc32c`` or ``crc32``) of ``path``."""
+    fn = checksum_function(name)
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = fn(chunk, crc)
     return crc
 
 
@@ -286,3 +303,15 @@ def read_into(path: Path, offset: int, out: torch.Tensor) -> None:
             if not n:
                 raise CheckpointError(f"{path} ended early while reading (it was truncated during the load)")
             done += n
+
+
+def read_bytes(path: Path, offset: int, n: int) -> bytes:
+    """``n`` bytes of ``path`` at ``offset`` (a short read means the file was truncated during the load)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, n, offset)
+    finally:
+        os.close(fd)
+    if len(data) != n:
+        raise CheckpointError(f"{path} ended early while reading (it was truncated during the load)")
+    return data

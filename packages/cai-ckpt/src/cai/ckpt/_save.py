@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from cai.ckpt._format import SafetensorsWriter, dtype_from_name, write_json
 from cai.ckpt._plan import FilePlan, local_metadata, make_plan
-from cai.ckpt._txn import IO_THREADS, Transaction, global_rank, run_parallel
+from cai.ckpt._txn import IO_THREADS, SaveFailed, Transaction, global_rank, run_parallel
 from cai.mesh import LocalShard, ShardSpec
 
 # Host buffers of asynchronous saves, reused from one save to the next (pinned when CUDA is present).
@@ -65,7 +65,7 @@ def write_sharded(
     for r, m in enumerate(metas):
         if m["failed"]:
             # A rank failed in an earlier part of this checkpoint: every rank stops here, together.
-            raise RuntimeError(txn.failure_message(r, m["failed"]))
+            raise SaveFailed(txn.final, r, m["failed"])
     files, aliases = make_plan(metas, prefix=prefix, size_per_shard_mb=size_per_shard, out_dtype=out_dtype)
     comm_device = torch.device("cpu")
     if world > 1 and dist.get_backend(group) == "nccl":

@@ -100,7 +100,8 @@ def save_state(
     """Save everything needed to continue training bitwise-identically, as ``path/step-NNNNNN`` + ``path/latest``.
 
     Args:
-        path: the run's checkpoint folder.
+        path: the run's checkpoint folder (other files in it are left alone; ``step-NNNNNN`` may replace only
+            an earlier cai-ckpt checkpoint, see ``save_model``).
         model: as for ``save_model`` (written under ``model/``, Hugging Face-loadable).
         step: the training step; names the directory.
         optimizer: as for ``save_optimizer`` (named through ``model``), under ``optimizer/``.
@@ -179,13 +180,14 @@ def load_state(
     dataloader: Any = None,
     step: int | None = None,
     strict: bool = True,
-    verify: bool = False,
+    verify: bool = True,
     group: Any = None,
 ) -> dict[str, Any]:
     """Restore what ``save_state`` wrote (the ``latest`` checkpoint, or ``step``), under any layout.
 
-    Every component is checked (keys, shapes, files) before any is changed. Each rank restores its own RNG
-    and data position (rank ``r % saved_world_size`` when the world size changed). Returns
+    Every component is checked (keys, shapes, files) before any is changed. ``verify`` (default) checks the bytes
+    read against the manifest's checksums as they are read (see ``load_model``); ``verify=False`` skips it.
+    Each rank restores its own RNG and data position (rank ``r % saved_world_size`` when the world size changed). Returns
     ``{"step": int, "extra": dict, "path": Path}``.
     """
     wait()
@@ -194,7 +196,9 @@ def load_state(
     loads = [prepare_model_load(model, root / "model", strict=strict, verify=verify, group=group)]
     if optimizer is not None:
         loads.append(
-            prepare_optimizer_load(optimizer, root / "optimizer", unwrap(model), strict=strict, verify=verify)
+            prepare_optimizer_load(
+                optimizer, root / "optimizer", unwrap(model), strict=strict, verify=verify, group=group
+            )
         )
     listed = {"root": root, **manifest}
 

@@ -1,20 +1,34 @@
 """Atomic checkpoint directories and asynchronous saves.
 
 [Note: commit protocol]
-Every rank writes its files into ``<parent>/.tmp-<name>-<token>/`` and then a marker ``rank-NNNNN.done.json``
-listing the files it wrote with their sizes and CRC32. Rank 0 waits for all markers, writes ``manifest.json``
-(every file's checksum and the layout it was saved from), renames the directory to ``<parent>/<name>`` and only
-then updates ``<parent>/latest``. A process killed at any point leaves either the previous checkpoint or the
-new one complete, never a half-written directory under a real name; readers ignore ``.tmp-*`` directories.
-Markers go through the (shared) file system rather than a collective so that the commit can run in the
-background thread of an asynchronous save without racing the training loop's collectives.
+Rank 0 first decides whether the save may replace what is at ``<parent>/<name>`` (nothing, an empty directory
+or a checkpoint cai-ckpt wrote, every file listed in its manifest; never a file or a directory of other files)
+and creates ``<parent>/.tmp-<name>-<token>/`` with a ``.cai-ckpt-partial`` marker; it broadcasts the token or
+the refusal, so every rank raises the same error before any rank writes. Every rank then writes its files
+there and reports through the process group's c10d store: it pushes ``{"files": ...}`` (or the failure, with
+the rank it came from) to the transaction's queue and sets its ``done`` key. Rank 0 pops one report per rank,
+writes ``manifest.json`` (every file's size and checksums, the layout it was saved from), removes the marker,
+renames the directory to ``<parent>/<name>``, updates ``<parent>/latest``, and only then sets the ``commit``
+key, for which the other ranks wait. A failure reported by any rank is set as the commit result instead, so
+every rank raises the error of the rank where it started. Every wait is bounded by the process group's
+timeout; on timeout the error names the ranks that never reported.
+
+The store rather than a collective, so that the commit can run in the background thread of an asynchronous
+save without racing the training loop's collectives; each transaction uses its own clone of the store (its
+own connection), so that a blocking wait never holds the connection the process group uses. A process
+killed at any point leaves either the previous checkpoint or the new one complete, never a half-written
+directory under a real name; readers ignore ``.tmp-*`` directories, and the next save of that name removes
+the ones that carry the marker (and only those).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
+import json
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -23,6 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from cai.ckpt._format import (
@@ -31,13 +46,12 @@ from cai.ckpt._format import (
     LATEST_NAME,
     MANIFEST_NAME,
     TMP_PREFIX,
-    read_json,
     write_json,
 )
 
-_COMMIT_TIMEOUT_S = float(os.environ.get("CAI_CKPT_COMMIT_TIMEOUT", "1800"))
 # Files a rank writes (or reads) at once: one thread per file, as page-cache copies and NVMe both scale a little.
 IO_THREADS = int(os.environ.get("CAI_CKPT_IO_THREADS", "4"))
+PARTIAL_MARKER = ".cai-ckpt-partial"  # in a temporary directory this code created; removed at the commit
 
 
 def dist_info(group: Any = None) -> tuple[int, int]:
@@ -49,6 +63,104 @@ def dist_info(group: Any = None) -> tuple[int, int]:
 
 def global_rank(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint was not saved because a rank failed; every rank raises it, naming that rank and its error."""
+
+    def __init__(self, final: Path, rank: int, error: str):
+        self.final, self.rank, self.error = Path(final), rank, error
+        super().__init__(
+            f"checkpoint {final} was not saved: rank-{rank:05d} failed: {error}; the previous one is untouched"
+        )
+
+
+def _fmt(names: list[str], limit: int = 10) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _cai_manifest(directory: Path) -> dict | None:
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if (
+        isinstance(manifest, dict)
+        and manifest.get("format") == FORMAT_NAME
+        and isinstance(manifest.get("files"), dict)
+    ):
+        return manifest
+    return None
+
+
+def replace_refusal(final: Path) -> str | None:
+    """Why a save must not replace what is at ``final``; None when it may (nothing there, an empty directory, or a
+    cai-ckpt checkpoint whose every file its manifest lists)."""
+    fix = "save to a new or empty directory, or move it away first"
+    if final.is_symlink() and not final.exists():
+        return f"cannot save a checkpoint to {final}: it is a symbolic link to {os.readlink(final)}, which does not exist; {fix}"
+    for parent in final.parents:
+        if parent.exists() and not parent.is_dir():
+            return f"cannot save a checkpoint to {final}: {parent} is a file, not a directory; {fix}"
+    if not final.exists():
+        return None
+    what = f"{final} (a symbolic link to {final.resolve()})" if final.is_symlink() else str(final)
+    if not final.is_dir():
+        kind = f"a file of {final.stat().st_size} bytes" if final.is_file() else "not a directory"
+        return f"cannot save a checkpoint to {what}: it is {kind}, which the save would replace; {fix}"
+    names = sorted(
+        p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_symlink() or not p.is_dir()
+    )
+    if not names:
+        return None
+    manifest = _cai_manifest(final)
+    if manifest is None:
+        return (
+            f"cannot save a checkpoint to {what}: it is a directory of files cai-ckpt did not write "
+            f"({_fmt(names)}; no cai-ckpt {MANIFEST_NAME}), and a save replaces the whole directory; {fix}"
+        )
+    foreign = [n for n in names if n != MANIFEST_NAME and n not in manifest["files"]]
+    if foreign:
+        return (
+            f"cannot save a checkpoint to {what}: it is a cai-ckpt checkpoint that also holds files its manifest "
+            f"does not list ({_fmt(foreign)}), and a save replaces the whole directory; move those files away, "
+            "or save to another path"
+        )
+    return None
+
+
+def _latest_refusal(parent: Path) -> str | None:
+    latest = parent / LATEST_NAME
+    if not (latest.exists() or latest.is_symlink()):
+        return None
+    if latest.is_symlink() or not latest.is_file() or latest.stat().st_size > 256:
+        return (
+            f"cannot save a checkpoint in {parent}: {latest} is not a cai-ckpt 'latest' pointer (a small file), "
+            "and the save would replace it; move it away first"
+        )
+    return None
+
+
+def _group_timeout(group: Any) -> datetime.timedelta:
+    """The process group's collective timeout (what ``init_process_group(timeout=...)`` or ``new_group`` set)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group if group is not None else c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(Exception):
+            return pg._get_backend(torch.device(device)).options._timeout
+    return c10d._get_process_group_store(pg).timeout
+
+
+def _store(group: Any) -> Any:
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_process_group_store(group if group is not None else c10d._get_default_group())
+    try:
+        return store.clone()
+    except Exception:  # a store type without clone(): share the group's (waits then hold its connection)
+        return store
 
 
 class Transaction:
@@ -63,97 +175,153 @@ class Transaction:
         self.update_latest = update_latest
         self.info = dict(info or {})
         self.layout: dict[str, Any] = {"world_size": self.world}
-        self.files: dict[str, dict[str, int]] = {}
+        self.files: dict[str, dict[str, Any]] = {}
         self.jobs: list[Callable[[], None]] = []
         self.failed: str | None = None  # this rank's error, reported to the others before raising
-        token = [secrets.token_hex(4) if self.rank == 0 else None]
+        decision: list[Any] = [None]
+        cause: BaseException | None = None
         if self.rank == 0:
-            self.final.parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = self.final.parent / f"{TMP_PREFIX}{self.final.name}-{token[0]}"
-            self.tmp.mkdir()
+            try:
+                decision[0] = self._prepare()
+            except Exception as e:
+                cause = e
+                decision[0] = ("error", f"checkpoint {self.final} cannot be saved: {e!r}")
         if self.world > 1:
-            dist.broadcast_object_list(token, src=global_rank(group, 0), group=group)
-        self.tmp = self.final.parent / f"{TMP_PREFIX}{self.final.name}-{token[0]}"
+            dist.broadcast_object_list(decision, src=global_rank(group, 0), group=group)
+        kind, value = decision[0]
+        if kind == "refuse":
+            raise FileExistsError(value)
+        if kind == "error":
+            raise RuntimeError(value) from cause
+        self.tmp = self.final.parent / f"{TMP_PREFIX}{self.final.name}-{value}"
+        self.timeout = _group_timeout(group) if self.world > 1 else None
+        self._store = _store(group) if self.world > 1 else None
+        self._key = f"cai-ckpt/{self.tmp.name}"
+
+    def _prepare(self) -> tuple[str, str]:
+        """Rank 0: refuse to replace what is not a cai checkpoint, else create the temporary directory."""
+        refusal = replace_refusal(self.final)
+        if refusal is None and self.update_latest:
+            refusal = _latest_refusal(self.final.parent)
+        if refusal is not None:
+            return "refuse", refusal
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(4)
+        tmp = self.final.parent / f"{TMP_PREFIX}{self.final.name}-{token}"
+        tmp.mkdir()
+        (tmp / PARTIAL_MARKER).write_text(f"a cai-ckpt save of {self.final.name} in progress, or killed\n")
+        return "ok", token
 
     def path(self, rel: str) -> Path:
         p = self.tmp / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
 
-    def record(self, rel: str, entry: dict[str, int]) -> None:
+    def record(self, rel: str, entry: dict[str, Any]) -> None:
         self.files[rel] = entry
 
     def run(self) -> None:
-        """Run the queued writes, publish this rank's marker, and (rank 0) commit."""
+        """Run the queued writes, report to rank 0, and (rank 0) commit."""
         with self.guard():
             if self.failed:
-                raise RuntimeError(self.failure_message(self.rank, self.failed))
+                raise SaveFailed(self.final, self.rank, self.failed)
             try:
                 run_parallel(self.jobs, IO_THREADS)
             finally:
                 self.jobs.clear()
-            write_json(self.tmp / f"rank-{self.rank:05d}.done.json", {"files": self.files})
             if self.rank == 0:
                 self._commit()
+            else:
+                self._report({"rank": self.rank, "files": self.files})
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """On any error, leave a ``failed`` marker so that the other ranks stop waiting for this one."""
+        """On any error, report it (with the rank it started on) so that no rank waits for this one."""
         try:
             yield
         except BaseException as e:
-            with contextlib.suppress(OSError):
-                write_json(self.tmp / f"rank-{self.rank:05d}.failed.json", {"error": repr(e)})
+            if isinstance(e, SaveFailed):
+                origin, error = e.rank, e.error  # relayed from another rank, or this rank's own
+            else:
+                origin, error = self.rank, repr(e)
+            with contextlib.suppress(Exception):
+                if self.rank == 0:
+                    self._publish_commit({"rank": origin, "error": error})
+                else:
+                    self._report({"rank": self.rank, "failed_rank": origin, "error": error})
             raise
 
-    def failure_message(self, rank: int, error: str) -> str:
-        return f"checkpoint {self.final} was not saved: rank-{rank:05d} failed: {error}; the previous one is untouched"
+    # ---- the store side of the protocol ------------------------------------------------------------------
+    def _report(self, payload: dict[str, Any]) -> None:
+        if self._store is None or getattr(self, "_reported", False):
+            return
+        self._reported = True
+        self._store.queue_push(f"{self._key}/reports", json.dumps(payload))
+        self._store.set(f"{self._key}/done/{self.rank}", b"1")
 
-    def _failure(self) -> str | None:
-        try:
-            markers = sorted(self.tmp.glob("rank-*.failed.json"))
-        except FileNotFoundError:  # rank 0 renamed the directory into place while we listed it: committed
-            return None
-        for failed in markers:
-            rank = int(failed.name.split(".")[0].removeprefix("rank-"))
-            error = "unknown error"
-            with contextlib.suppress(Exception):
-                error = read_json(failed)["error"]
-            if error.startswith("RuntimeError('checkpoint "):  # a rank that only relays another's failure
-                continue
-            return self.failure_message(rank, error)
-        return None
+    def _publish_commit(self, result: dict[str, Any]) -> None:
+        if self._store is None or getattr(self, "_published", False):
+            return
+        self._published = True
+        self._store.set(f"{self._key}/commit", json.dumps(result))
+
+    def _unreported(self) -> list[int]:
+        return [r for r in range(1, self.world) if not self._store.check([f"{self._key}/done/{r}"])]
+
+    def _timed_out(self, waiting_for: str) -> TimeoutError:
+        missing = self._unreported()
+        who = (
+            f"ranks {missing} never finished writing"
+            if missing
+            else "every rank finished writing, but rank 0 did not commit (it may have died)"
+        )
+        return TimeoutError(
+            f"checkpoint {self.final} was not saved: {waiting_for} did not arrive within the process group's "
+            f"timeout ({self.timeout.total_seconds():.0f} s): {who}; the previous checkpoint is untouched "
+            f"(the partial files are in {self.tmp})"
+        )
+
+    def _gather_reports(self) -> dict[str, dict[str, Any]]:
+        """Rank 0: every other rank's files; raises the first failure any of them reports."""
+        files: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        for _ in range(1, self.world):
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise dist.DistStoreError("deadline passed")
+                self._store.set_timeout(datetime.timedelta(seconds=left))
+                report = json.loads(self._store.queue_pop(f"{self._key}/reports"))
+            except dist.DistStoreError:
+                raise self._timed_out("the reports of the other ranks") from None
+            if "error" in report:
+                raise SaveFailed(self.final, report["failed_rank"], report["error"])
+            files.update(report["files"])
+        return files
 
     def wait_committed(self) -> None:
-        """Return once rank 0 has renamed the directory into place; raise if any rank failed instead.
+        """Return once rank 0 has committed; raise the failure it reports instead (ranks other than 0)."""
+        if self._store is None or self.rank == 0:
+            return
+        key = f"{self._key}/commit"
+        try:
+            self._store.wait([key], self.timeout)
+        except dist.DistStoreError:
+            raise self._timed_out("rank 0's commit") from None
+        result = json.loads(self._store.get(key))
+        if self._store.add(f"{self._key}/read", 1) == self.world - 1:  # the last reader tidies up
+            for done in range(1, self.world):
+                self._store.delete_key(f"{self._key}/done/{done}")
+            self._store.delete_key(key)
+            self._store.delete_key(f"{self._key}/read")
+        if "error" in result:
+            raise SaveFailed(self.final, result["rank"], result["error"])
 
-        Polls the file system rather than using a barrier, so a failed rank cannot leave the others hanging.
-        """
-        deadline = time.monotonic() + _COMMIT_TIMEOUT_S
-        while self.tmp.exists():
-            failure = self._failure()
-            if failure is not None:
-                raise RuntimeError(failure)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"checkpoint {self.final}: not committed after {_COMMIT_TIMEOUT_S} s")
-            time.sleep(0.005)
-
+    # ---- rank 0 ------------------------------------------------------------------------------------------
     def _commit(self) -> None:
-        files: dict[str, dict[str, int]] = {}
-        deadline = time.monotonic() + _COMMIT_TIMEOUT_S
-        for r in range(self.world):
-            marker = self.tmp / f"rank-{r:05d}.done.json"
-            while not marker.exists():
-                failure = self._failure()
-                if failure is not None:
-                    raise RuntimeError(failure)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"checkpoint {self.final}: rank {r} did not finish writing in {_COMMIT_TIMEOUT_S} s"
-                    )
-                time.sleep(0.005)
-            files.update(read_json(marker)["files"])
-            marker.unlink()
+        files = dict(self.files)
+        if self.world > 1:
+            files.update(self._gather_reports())
         manifest = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -163,8 +331,13 @@ class Transaction:
             "files": dict(sorted(files.items())),
         }
         write_json(self.tmp / MANIFEST_NAME, manifest)
+        # Checked again: an asynchronous save commits long after it started, and the user may have put files there.
+        refusal = replace_refusal(self.final)
+        if refusal is not None:
+            raise FileExistsError(f"{refusal} (the checkpoint written is left in {self.tmp})")
+        (self.tmp / PARTIAL_MARKER).unlink()
         old = None
-        if self.final.exists():
+        if self.final.exists() or self.final.is_symlink():
             old = self.final.parent / f"{TMP_PREFIX}{self.final.name}-{secrets.token_hex(4)}-old"
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
@@ -175,9 +348,23 @@ class Transaction:
             partial.write_text(self.final.name + "\n")
             os.replace(partial, latest)
             _fsync_dir(self.final.parent)
-        # Leftovers of earlier attempts that were killed mid-save, and the replaced directory.
-        for stale in self.final.parent.glob(f"{TMP_PREFIX}{self.final.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        self._publish_commit({"ok": True})
+        # The replaced checkpoint (checked above to hold only its own files; a symbolic link goes, not its
+        # target), then leftovers of earlier saves of this name that were killed: only directories this code
+        # created, recognised by their marker.
+        if old is not None:
+            if old.is_symlink():
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+        pattern = re.compile(re.escape(f"{TMP_PREFIX}{self.final.name}-") + r"[0-9a-f]{8}")
+        for stale in self.final.parent.iterdir():
+            if (
+                pattern.fullmatch(stale.name)
+                and not stale.is_symlink()
+                and (stale / PARTIAL_MARKER).is_file()
+            ):
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def run_parallel(jobs: list[Callable[[], None]], threads: int) -> None:
@@ -275,7 +462,9 @@ def wait(*, commit: bool = True) -> None:
             except BaseException as e:
                 errors.append(e)
     if errors:
-        raise RuntimeError(f"asynchronous checkpoint save failed: {errors[0]!r}") from errors[0]
+        raise RuntimeError(
+            f"asynchronous checkpoint save failed: {type(errors[0]).__name__}: {errors[0]}"
+        ) from errors[0]
 
 
 atexit.register(wait, commit=False)

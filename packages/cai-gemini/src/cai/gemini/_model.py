@@ -285,28 +285,79 @@ class GeminiModel(nn.Module):
             buf.copy_(read(name, ShardSpec.full(buf.shape), buf.dtype))
 
     @torch.no_grad()
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """The full model on the host, by the unwrapped module's names (one all-gather per chunk, every rank)."""
-        out: dict[str, torch.Tensor] = {}
+    def state_dict(  # type: ignore[override]
+        self,
+        destination: dict[str, torch.Tensor] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        *,
+        only_rank_0: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The full model on the host, keyed like the unwrapped module's own ``state_dict()``.
+
+        Every rank must call it (one all-gather per chunk). Values are unpadded, in the precision that is the
+        source of truth (the fp32 master weights of trainable parameters, frozen ones in the working dtype) unless
+        ``dtype`` casts them; tied parameters appear under each of their names, sharing one tensor, and persistent
+        buffers are included. Every rank gets the full dict; with ``only_rank_0=True`` (the default of Colossal-AI's
+        ``GeminiDDP`` and of a model boosted by cai-booster's ``GeminiPlugin``) the other ranks of the group get an
+        empty dict and keep no gathered copy.
+        ``keep_vars`` is accepted for ``nn.Module`` compatibility: the values are always detached copies.
+        """
+        out = destination if destination is not None else {}
+        keep = not only_rank_0 or self.chunk_manager.rank == 0
+        by_id = self._gathered_params(keep)
+        if not keep:
+            return out
+        if dtype is not None:  # cast once per parameter, so that tied names still share one tensor
+            by_id = {k: v.to(dtype) if v.is_floating_point() else v for k, v in by_id.items()}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            out[prefix + name] = by_id[id(p)]
+        for name, buf in self._buffers_by_name():
+            out[prefix + name] = buf.detach().to("cpu", copy=True)
+        return out
+
+    def _gathered_params(self, keep: bool) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its full value on the host, gathered chunk by chunk; empty when ``keep`` is False (the
+        rank still joins every all-gather)."""
+        by_name: dict[str, torch.Tensor] = {}
         for c in self.chunks:
             full = gather_full(c, source_shard(c))
-            for t in c.tensors:
-                out[t.name] = full[t.offset : t.end].view(t.shape).clone()
-        for name, buf in self._buffers_by_name():
-            out[name] = buf.detach().cpu().clone()
-        return out
+            if keep:
+                for t in c.tensors:
+                    by_name[t.name] = full[t.offset : t.end].view(t.shape).clone()
+        return {id(p): by_name[n] for n, p in self.module.named_parameters()} if keep else {}
 
     def load_state_dict(
         self, state_dict: dict[str, torch.Tensor], strict: bool = True, assign: bool = False
     ) -> Any:  # type: ignore[override]
-        """Load a full state dict (unwrapped names) into this rank's pieces."""
+        """Load a full state dict (the unwrapped module's names, as ``state_dict()`` returns) into this rank's
+        pieces; every rank needs the full dict (the names a tied parameter has besides its first are accepted)."""
+        aliases = set(dict(self.module.named_parameters(remove_duplicate=False))) - set(
+            dict(self.module.named_parameters())
+        )
         expected = {t.name for c in self.chunks for t in c.tensors} | {n for n, _ in self._buffers_by_name()}
-        missing, unexpected = sorted(expected - state_dict.keys()), sorted(state_dict.keys() - expected)
+        missing = sorted(expected - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - expected - aliases)
         if strict and (missing or unexpected):
-            raise KeyError(
-                f"GeminiModel.load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+            hint = (
+                " (an empty dict: state_dict(only_rank_0=True) returns one on ranks other than 0; give every rank "
+                "the full dict, or save and load with booster.save_model/load_model)"
+                if not state_dict
+                else ""
             )
-        self.load_sharded_state_dict(lambda name, spec, dtype: spec.cut(state_dict[name]).to(dtype))
+            raise KeyError(
+                f"GeminiModel.load_state_dict: missing keys {missing}, unexpected keys {unexpected}{hint}"
+            )
+        # strict=False: a missing name keeps this rank's current piece (copied onto itself), with no collective
+        current = self.sharded_state_dict() if missing else {}
+
+        def read(name: str, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+            if name in state_dict:
+                return spec.cut(state_dict[name]).to(dtype)
+            return current[name].tensor.to(dtype, copy=True)
+
+        self.load_sharded_state_dict(read)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def remove_hooks(self) -> None:

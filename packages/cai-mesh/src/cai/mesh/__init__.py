@@ -16,6 +16,14 @@ from cai.mesh._accelerator import (
 )
 from cai.mesh._collectives import all_gather_into_tensor, reduce_scatter_tensor
 from cai.mesh._coordinator import DistCoordinator
+from cai.mesh._guard import (
+    DEFAULT_TIMEOUT,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    advance_step,
+    current_step,
+)
 from cai.mesh._launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, set_seed
 from cai.mesh._logging import DistributedLogger, disable_existing_loggers, get_dist_logger
 from cai.mesh._parallel_dims import AXES, ParallelDims, ParallelMesh
@@ -25,7 +33,11 @@ __version__ = _version("cai-mesh")
 
 __all__ = [
     "AXES",
+    "DEFAULT_TIMEOUT",
     "BaseAccelerator",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "CpuAccelerator",
     "CudaAccelerator",
     "DistCoordinator",
@@ -35,9 +47,11 @@ __all__ = [
     "ParallelMesh",
     "ShardSpec",
     "__version__",
+    "advance_step",
     "all_gather_into_tensor",
     "assemble",
     "auto_set_accelerator",
+    "current_step",
     "disable_existing_loggers",
     "get_accelerator",
     "get_current_device",

@@ -11,9 +11,16 @@ from cai.mesh._cli_run import add_run_parser
 __all__ = ["build_parser", "main"]
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's usage lists every option (30 lines for ``cai run``); a mistake gets one line instead."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cai", description="Launch and inspect cai training jobs.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,check}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,check}", parser_class=_SubcommandParser)
     sub.required = True
     add_run_parser(sub)
     add_check_parser(sub)

@@ -8,8 +8,11 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from cai.mesh._cli_wait import wait_for_nodes
 
 __all__ = ["add_run_parser", "read_hostfile", "run_command", "select_hosts", "torchrun_args"]
 
@@ -29,6 +32,66 @@ _FORWARD_PREFIXES = (
 )
 _FORWARD_NAMES = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "MKL_NUM_THREADS")
 
+_STOP_GRACE_S = 10.0  # after a node failed, how long the others get to stop on SIGTERM before SIGKILL
+
+# How long a static multi-node launch waits for all nodes; torchrun's own static default, now with progress lines.
+DEFAULT_RDZV_TIMEOUT_S = 600.0
+
+
+def _int_at_least(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{what} must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1..65535)") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (1..65535)")
+    return value
+
+
+def _nnodes(text: str) -> str:
+    parts = text.split(":")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        sizes = []
+    if len(parts) > 2 or not sizes or min(sizes) < 1 or sizes != sorted(sizes):
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX with 1 <= MIN <= MAX")
+    return text
+
+
+def _endpoint(text: str) -> str:
+    # torchrun's own parser, so that what passes here is what torchrun accepts (HOST, HOST:PORT, [IPv6]:PORT).
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:
+        parse_rendezvous_endpoint(text, default_port=29400)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value:g}")
+    return value
+
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -40,17 +103,22 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--nproc_per_node",
         "--nproc-per-node",
-        type=int,
+        type=_int_at_least(1, "the number of processes"),
         default=None,
         help="processes per node (default: number of GPUs, else 1)",
     )
     p.add_argument(
         "--nnodes",
+        type=_nnodes,
         default=None,
         help="number of nodes, or MIN:MAX for elastic jobs (default: 1, or the number of hosts)",
     )
     p.add_argument(
-        "--node_rank", "--node-rank", type=int, default=0, help="rank of this node (single-node form only)"
+        "--node_rank",
+        "--node-rank",
+        type=_int_at_least(0, "a node rank"),
+        default=0,
+        help="rank of this node (single-node form only)",
     )
     p.add_argument(
         "--master_addr",
@@ -58,14 +126,27 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="rank 0's address (default 127.0.0.1, or the first host)",
     )
-    p.add_argument("--master_port", "--master-port", type=int, default=29500)
+    p.add_argument("--master_port", "--master-port", type=_port, default=29500)
     p.add_argument(
         "--rdzv_backend", "--rdzv-backend", default=None, help="torchrun rendezvous backend, e.g. c10d"
     )
-    p.add_argument("--rdzv_endpoint", "--rdzv-endpoint", default=None, help="host:port of the rendezvous")
+    p.add_argument(
+        "--rdzv_endpoint", "--rdzv-endpoint", type=_endpoint, default=None, help="host:port of the rendezvous"
+    )
     p.add_argument("--rdzv_id", "--rdzv-id", default=None, help="job id shared by all nodes")
     p.add_argument("--rdzv_conf", "--rdzv-conf", default=None, help="extra rendezvous config key=value,...")
-    p.add_argument("--max_restarts", "--max-restarts", type=int, default=None)
+    p.add_argument(
+        "--rdzv_timeout",
+        "--rdzv-timeout",
+        type=_seconds,
+        default=None,
+        help=f"seconds a multi-node launch (--nnodes N) waits for every node to start, printing the missing "
+        f"ones, before it gives up (default {DEFAULT_RDZV_TIMEOUT_S:g}); with --rdzv_endpoint it is torchrun's "
+        "join_timeout",
+    )
+    p.add_argument(
+        "--max_restarts", "--max-restarts", type=_int_at_least(0, "the number of restarts"), default=None
+    )
     p.add_argument("--standalone", action="store_true", help="single-node rendezvous on a free port")
     p.add_argument("-H", "--host", default=None, help="comma-separated hosts (instead of --hostfile)")
     p.add_argument("--hostfile", default=None, help="file with one hostname per line ('#' comments)")
@@ -74,7 +155,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--num_nodes", "--num-nodes", type=int, default=-1, help="use only the first N selected hosts"
     )
-    p.add_argument("--ssh_port", "--ssh-port", type=int, default=None)
+    p.add_argument("--ssh_port", "--ssh-port", type=_port, default=None)
     p.add_argument(
         "--extra_launch_args", default=None, help="more torchrun arguments: 'a=1,b' becomes '--a=1 --b'"
     )
@@ -162,8 +243,11 @@ def torchrun_args(args: argparse.Namespace, *, nnodes: str, node_rank: int, mast
             out.append(f"--rdzv_backend={args.rdzv_backend}")
     if args.rdzv_id:
         out.append(f"--rdzv_id={args.rdzv_id}")
-    if args.rdzv_conf:
-        out.append(f"--rdzv_conf={args.rdzv_conf}")
+    conf = [args.rdzv_conf] if args.rdzv_conf else []
+    if args.rdzv_endpoint and args.rdzv_timeout is not None and "join_timeout=" not in (args.rdzv_conf or ""):
+        conf.append(f"join_timeout={args.rdzv_timeout:g}")  # torchrun's c10d rendezvous has its own wait
+    if conf:
+        out.append(f"--rdzv_conf={','.join(conf)}")
     if args.max_restarts is not None:
         out.append(f"--max_restarts={args.max_restarts}")
     out += _extra_args(args.extra_launch_args)
@@ -173,33 +257,38 @@ def torchrun_args(args: argparse.Namespace, *, nnodes: str, node_rank: int, mast
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        print(f"cai run: --nproc_per_node must be >= 1, got {args.nproc_per_node}", file=sys.stderr)
-        return 2
     if not args.module and not args.script.endswith(".py"):
         print(f"cai run: {args.script!r} is not a .py file; use -m to run a module", file=sys.stderr)
         return 2
-    if not (args.hostfile or args.host):
+    if args.hostfile is None and args.host is None:
         if args.include or args.exclude:
             print("cai run: --include/--exclude need --hostfile or --host", file=sys.stderr)
             return 2
+        nnodes = args.nnodes or "1"
+        if nnodes.isdigit() and args.node_rank >= int(nnodes):
+            print(f"cai run: --node_rank {args.node_rank} must be < --nnodes {nnodes}", file=sys.stderr)
+            return 2
+        master_addr = args.master_addr or "127.0.0.1"
         cmd = [sys.executable, "-m", "torch.distributed.run"]
-        cmd += torchrun_args(
-            args,
-            nnodes=args.nnodes or "1",
-            node_rank=args.node_rank,
-            master_addr=args.master_addr or "127.0.0.1",
-        )
+        cmd += torchrun_args(args, nnodes=nnodes, node_rank=args.node_rank, master_addr=master_addr)
         if args.dry_run:
             print(shlex.join(cmd))
             return 0
+        if nnodes.isdigit() and int(nnodes) > 1 and not (args.standalone or args.rdzv_endpoint):
+            try:
+                timeout = args.rdzv_timeout if args.rdzv_timeout is not None else DEFAULT_RDZV_TIMEOUT_S
+                wait_for_nodes(master_addr, args.master_port, int(nnodes), args.node_rank, timeout)
+            except Exception as e:  # NodeWaitTimeout, or node 0's store failing under this node
+                print(f"cai run: {e}", file=sys.stderr, flush=True)
+                return 1
         return _torchrun_here(cmd[3:])
     try:
-        hosts = (
-            read_hostfile(args.hostfile)
-            if args.hostfile
-            else [h.strip() for h in args.host.split(",") if h.strip()]
-        )
+        if args.hostfile is not None:
+            hosts = read_hostfile(args.hostfile)
+        else:
+            hosts = [h.strip() for h in args.host.split(",") if h.strip()]
+            if not hosts:
+                raise ValueError(f"-H/--host {args.host!r} lists no hosts; give comma-separated host names")
         hosts = select_hosts(hosts, args.include, args.exclude, args.num_nodes)
     except (OSError, ValueError) as e:
         print(f"cai run: {e}", file=sys.stderr)
@@ -208,16 +297,22 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _torchrun_here(argv: list[str]) -> int:
-    """Run torchrun in this process (it becomes the node's agent; saves starting another interpreter)."""
+    """Run torchrun in this process (it becomes the node's agent; saves starting another interpreter).
+
+    Returns the exit code of the first rank that failed (128 + N for a rank killed by signal N), like a shell.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     sys.stdout.flush()
     try:
         torchrun(argv)
-    except ChildFailedError as e:  # torchrun already logged the failing ranks; summarise and exit non-zero
-        print(f"cai run: {e}", file=sys.stderr, flush=True)
-        return 1
+    except ChildFailedError as e:  # torchrun already logged every failing rank; name the first one
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"cai run: rank {rank} (local_rank {failure.local_rank}) {how}", file=sys.stderr, flush=True)
+        return 128 - code if code < 0 else code or 1
     return 0
 
 
@@ -231,6 +326,29 @@ class _Node:
     threads: list[threading.Thread] = field(default_factory=list)
 
 
+def _node_args(args: argparse.Namespace, *, nnodes: str, node_rank: int, master_addr: str) -> list[str]:
+    """The single-node ``cai run`` command line (after ``cai run``) that one node of a hostfile job runs."""
+    out = [] if args.nproc_per_node is None else [f"--nproc_per_node={args.nproc_per_node}"]
+    out.append(f"--nnodes={nnodes}")
+    if args.standalone:
+        out.append("--standalone")
+    elif not args.rdzv_endpoint:
+        out += [
+            f"--node_rank={node_rank}",
+            f"--master_addr={master_addr}",
+            f"--master_port={args.master_port}",
+        ]
+    for name in ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "rdzv_conf", "rdzv_timeout", "max_restarts"):
+        value = getattr(args, name)
+        if value is not None:
+            out.append(f"--{name}={value:g}" if isinstance(value, float) else f"--{name}={value}")
+    if args.extra_launch_args:
+        out.append(f"--extra_launch_args={args.extra_launch_args}")
+    if args.module:
+        out.append("-m")
+    return [*out, args.script, *args.script_args]
+
+
 def _remote_command(args: argparse.Namespace, hosts: list[str], node_rank: int) -> str:
     env = {
         k: v
@@ -239,11 +357,11 @@ def _remote_command(args: argparse.Namespace, hosts: list[str], node_rank: int) 
     }
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
     master = args.master_addr or hosts[0]
-    torchrun = torchrun_args(
-        args, nnodes=args.nnodes or str(len(hosts)), node_rank=node_rank, master_addr=master
-    )
-    # The same interpreter path on every node: clusters share one software tree (or one container image).
-    run = shlex.join([sys.executable, "-m", "torch.distributed.run", *torchrun])
+    node = _node_args(args, nnodes=args.nnodes or str(len(hosts)), node_rank=node_rank, master_addr=master)
+    # The same interpreter path on every node: clusters share one software tree (or one container image). Each node
+    # runs the single-node `cai run`, so it waits for the others with progress lines and exits with the code of its
+    # first failing rank, which ssh hands back here.
+    run = shlex.join([sys.executable, "-m", "cai.mesh._cli", "run", *node])
     prefix = f"export {exports} && " if exports else ""
     return f"cd {shlex.quote(os.getcwd())} && {prefix}exec {run}"
 
@@ -289,6 +407,7 @@ def _run_on_hosts(args: argparse.Namespace, hosts: list[str]) -> int:
             t.start()
     failed: list[_Node] = []
     pending = list(nodes)
+    stopping_since: float | None = None
     while pending:
         for node in list(pending):
             assert node.proc is not None
@@ -302,9 +421,13 @@ def _run_on_hosts(args: argparse.Namespace, hosts: list[str]) -> int:
             if node.proc.returncode != 0:
                 failed.append(node)
         if failed and pending:
-            # The other nodes would wait for the failed one at the next rendezvous or collective: stop them.
+            # The other nodes would wait for the failed one at the next rendezvous or collective: stop them. A
+            # torchrun agent blocked in its exit barrier (its own ranks succeeded) handles SIGTERM only when that
+            # wait ends, minutes later, so it gets SIGKILL after a grace period.
+            stopping_since = stopping_since or time.monotonic()
+            late = time.monotonic() - stopping_since > _STOP_GRACE_S
             for node in pending:
-                node.proc.terminate()  # type: ignore[union-attr]
+                node.proc.kill() if late else node.proc.terminate()  # type: ignore[union-attr]
     for node in nodes:
         code = node.proc.returncode  # type: ignore[union-attr]
         print(

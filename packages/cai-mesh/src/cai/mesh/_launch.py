@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cai.mesh import _guard
 from cai.mesh._accelerator import get_accelerator
 from cai.mesh._logging import get_dist_logger
 
@@ -57,12 +58,15 @@ def _init(
     local_rank: int | None,
     seed: int,
     verbose: bool,
-    timeout: timedelta | None,
+    timeout: float | timedelta | None,
+    debug_collectives: bool | None,
 ) -> None:
     if not 0 <= rank < world_size:
         raise ValueError(f"launch: rank {rank} must be in [0, world_size={world_size})")
     accelerator = get_accelerator()
     backend = backend or accelerator.communication_backend
+    pg_timeout = _guard.resolve_timeout(timeout)
+    debug = _guard.debug_enabled(debug_collectives)
     # Kernels and collectives issued on one stream run in issue order only with one hardware queue; tensor
     # parallelism relies on that to overlap communication with compute. Must be set before CUDA initialises.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -77,18 +81,22 @@ def _init(
                 f"{dist.get_world_size()}, not rank {rank} of {world_size}"
             )
         logger.warning(
-            "torch.distributed was already initialised; keeping the existing process group", ranks=[0]
+            "torch.distributed was already initialised; keeping the existing process group (its timeout and "
+            "debug checks stay as they were)",
+            ranks=[0],
         )
+        _guard.install()
     else:
-        kwargs = {"timeout": timeout} if timeout is not None else {}
+        _guard.configure(timeout=pg_timeout, debug=debug, backend=backend)
         dist.init_process_group(
-            backend=backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs
+            backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=pg_timeout
         )
     set_seed(seed)
     if verbose:
         logger.info(
             f"Distributed environment is initialized: world size {world_size}, backend {dist.get_backend()}, "
-            f"device {accelerator.get_current_device()}, seed {seed}",
+            f"device {accelerator.get_current_device()}, seed {seed}, collective timeout "
+            f"{pg_timeout.total_seconds():g} s{', collective checks on' if debug else ''}",
             ranks=[0],
         )
 
@@ -102,7 +110,8 @@ def launch(
     local_rank: int | None = None,
     seed: int = 1024,
     verbose: bool = True,
-    timeout: timedelta | None = None,
+    timeout: float | timedelta | None = None,
+    debug_collectives: bool | None = None,
 ) -> None:
     """Initialise the default process group over TCP at ``host:port``, pick the device and seed every RNG.
 
@@ -112,7 +121,12 @@ def launch(
         backend: "nccl", "gloo", ...; None picks the accelerator's ("nccl" with CUDA, else "gloo").
         local_rank: GPU index on this node; None uses ``rank % device_count``.
         seed: seeds Python, NumPy, torch and CUDA RNGs (see ``set_seed``). verbose: log one line on rank 0.
-        timeout: collective timeout (torch's default when None).
+        timeout: seconds (or a timedelta) a collective may wait for the other ranks before it raises
+            ``CollectiveTimeoutError``; applies to the default group and every group created later (mesh axes,
+            combined axes). None reads ``$CAI_DIST_TIMEOUT`` (seconds), else ``DEFAULT_TIMEOUT`` (10 minutes).
+        debug_collectives: check before every collective that all ranks of its group issue the same one
+            (op, shapes, dtypes; torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), raising ``CollectiveMismatchError``
+            otherwise; slow, for debugging. None reads ``$CAI_DEBUG_COLLECTIVES``.
 
     Calling it when the group is already initialised with the same rank and world size only seeds.
     """
@@ -125,11 +139,16 @@ def launch(
         seed=seed,
         verbose=verbose,
         timeout=timeout,
+        debug_collectives=debug_collectives,
     )
 
 
 def launch_from_torch(
-    backend: str | None = None, seed: int = 1024, verbose: bool = True, timeout: timedelta | None = None
+    backend: str | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta | None = None,
+    debug_collectives: bool | None = None,
 ) -> None:
     """``launch`` for processes started by ``torchrun`` or ``cai run`` (reads RANK, LOCAL_RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT).
@@ -158,6 +177,7 @@ def launch_from_torch(
         seed=seed,
         verbose=verbose,
         timeout=timeout,
+        debug_collectives=debug_collectives,
     )
 
 
@@ -167,7 +187,8 @@ def launch_from_slurm(
     backend: str | None = None,
     seed: int = 1024,
     verbose: bool = True,
-    timeout: timedelta | None = None,
+    timeout: float | timedelta | None = None,
+    debug_collectives: bool | None = None,
 ) -> None:
     """``launch`` for processes started by ``srun`` (reads SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID).
 
@@ -190,6 +211,7 @@ def launch_from_slurm(
         seed=seed,
         verbose=verbose,
         timeout=timeout,
+        debug_collectives=debug_collectives,
     )
 
 
@@ -199,7 +221,8 @@ def launch_from_openmpi(
     backend: str | None = None,
     seed: int = 1024,
     verbose: bool = True,
-    timeout: timedelta | None = None,
+    timeout: float | timedelta | None = None,
+    debug_collectives: bool | None = None,
 ) -> None:
     """``launch`` for processes started by OpenMPI's ``mpirun`` (reads OMPI_COMM_WORLD_RANK, _LOCAL_RANK, _SIZE)."""
     env = _env_ints(
@@ -220,4 +243,5 @@ def launch_from_openmpi(
         seed=seed,
         verbose=verbose,
         timeout=timeout,
+        debug_collectives=debug_collectives,
     )

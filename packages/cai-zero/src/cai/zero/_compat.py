@@ -35,6 +35,17 @@ def LowLevelZeroOptimizer(
     the loss-scale arguments apply only when the model's parameters are fp16. ``model`` is required because
     cai's state is keyed by parameter name.
     """
+    # Checked here, in the caller's units: ZeroConfig would report the converted MiB (and clip_grad_norm by its
+    # own name, max_norm).
+    if not reduce_bucket_size > 0:
+        raise ValueError(
+            f"LowLevelZeroOptimizer: reduce_bucket_size={reduce_bucket_size!r} must be > 0 (elements per gradient "
+            "bucket; Colossal-AI's default is 1024 * 1024)"
+        )
+    if not clip_grad_norm >= 0:
+        raise ValueError(
+            f"LowLevelZeroOptimizer: clip_grad_norm={clip_grad_norm!r} must be >= 0 (0 disables clipping)"
+        )
     dtypes = {p.dtype for group in optimizer.param_groups for p in group["params"]}
     comm = communication_dtype or next(iter(dtypes))
     itemsize = torch.empty((), dtype=comm).element_size()

@@ -2,7 +2,7 @@
 
 from cai.booster.plugin._base import BoostContext, Capabilities, DPPluginBase, Plugin
 from cai.booster.plugin._gemini import GeminiPlugin
-from cai.booster.plugin._low_level_zero import LowLevelZeroPlugin
+from cai.booster.plugin._low_level_zero import LowLevelZeroConfig, LowLevelZeroPlugin
 from cai.booster.plugin._torch_ddp import DDPConfig, TorchDDPPlugin
 from cai.booster.plugin._torch_fsdp import FSDPConfig, TorchFSDPPlugin
 
@@ -16,6 +16,7 @@ __all__ = [
     "DPPluginBase",
     "FSDPConfig",
     "GeminiPlugin",
+    "LowLevelZeroConfig",
     "LowLevelZeroPlugin",
     "Plugin",
     "TorchDDPPlugin",

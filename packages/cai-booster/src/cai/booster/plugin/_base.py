@@ -136,6 +136,18 @@ class Plugin(ABC):
 
         init_optimizer_state(optimizer.unwrap())
 
+    def check_device(self, device: torch.device) -> None:
+        """Raise if a plugin option cannot run on ``device``; the Booster calls this when it is built."""
+        return None  # every option of the base plugin runs on every device it declares
+
+    def sync_replicas(self, model: nn.Module) -> None:
+        """Check that the data-parallel ranks built the same model and give them rank 0's weights, before
+        ``configure`` (see [Note: replicas agree at boost]). A plugin whose ranks hold different parts of the model
+        before ``boost()`` overrides this."""
+        from cai.booster._replicas import sync_replicas
+
+        sync_replicas(model, self.dp_group, owner=f"{self.name} boost()")
+
     def default_device(self) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

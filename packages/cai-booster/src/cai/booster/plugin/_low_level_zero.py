@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from cai.booster._precision import LossScalerConfig, check_precision, precision_dtype
+from cai.booster._precision import check_precision, precision_dtype
 from cai.booster._state import ModuleState, local_tensor
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
 from cai.booster.plugin._base import (
@@ -22,24 +23,75 @@ from cai.booster.plugin._base import (
     param_names,
     rebind_optimizer,
 )
+from cai.booster.plugin._compat import LOW_LEVEL_ZERO_ARGS, config_from_kwargs
 from cai.booster.plugin._torch_ddp import place_replicated
 from cai.mesh import LocalShard, ShardSpec
 
-__all__ = ["LowLevelZeroPlugin"]
+if TYPE_CHECKING:
+    from cai.zero import LossScaleConfig, ZeroConfig
+
+__all__ = ["LowLevelZeroConfig", "LowLevelZeroPlugin"]
 
 _PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+# cai.zero is imported when a config is built, not when cai.booster is.
+def _zero_config() -> ZeroConfig:
+    from cai.zero import ZeroConfig
+
+    return ZeroConfig()
+
+
+def _loss_scale_config() -> LossScaleConfig:
+    from cai.zero import LossScaleConfig
+
+    return LossScaleConfig()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowLevelZeroConfig:
+    """Everything ``LowLevelZeroPlugin`` needs: cai-zero's ``ZeroConfig`` plus what the plugin owns.
+
+    Args:
+        zero: sharding stage, buckets, communication, clipping and offload (``cai.zero.ZeroConfig``).
+        precision: working precision of the model, ``"bf16"`` (default), ``"fp16"`` or ``"fp32"``; fp32 master
+            weights are kept in the optimizer whatever this is.
+        loss_scale: dynamic loss scaling, used with ``"fp16"`` only (``cai.zero.LossScaleConfig``).
+        cast_inputs: cast floating-point forward inputs to the working precision.
+
+    Example::
+
+        LowLevelZeroPlugin(config=LowLevelZeroConfig(zero=ZeroConfig(stage=2, cpu_offload=True), precision="bf16"))
+    """
+
+    zero: ZeroConfig = field(default_factory=_zero_config)
+    precision: str = "bf16"
+    loss_scale: LossScaleConfig = field(default_factory=_loss_scale_config)
+    cast_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        from cai.zero import LossScaleConfig, ZeroConfig
+
+        check_precision(self.precision, _PRECISIONS, owner="LowLevelZeroPlugin")
+        for name, cls in (("zero", ZeroConfig), ("loss_scale", LossScaleConfig)):
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise TypeError(
+                    f"LowLevelZeroConfig: {name}={value!r} is not a cai.zero.{cls.__name__}; pass "
+                    f"{name}={cls.__name__}(...)"
+                )
 
 
 class LowLevelZeroPlugin(DPPluginBase):
     """ZeRO stage 1 or 2 over the whole world (cai-zero's ``ZeroOptimizer``); the plugin controls precision.
 
-    Args (Colossal-AI names and defaults): ``stage=1``, ``precision="fp16"``, the loss scaler (``initial_scale=2**32,
-    min_scale=1, growth_factor=2, backoff_factor=0.5, growth_interval=1000, hysteresis=2, max_scale=2**32``),
-    ``max_norm=0.0`` (global gradient clipping inside ``step``), ``norm_type=2.0`` (only 2.0),
-    ``reduce_bucket_size_in_m=12``, ``communication_dtype=None``, ``overlap_communication=True``,
-    ``overlap_allgather=False``, ``cpu_offload=False``, ``master_weights=True`` (only True),
-    ``cast_inputs=True`` (floating inputs are cast to the working dtype). ``verbose`` is accepted;
-    ``fp8_communication``, ``use_fp8`` and ``extra_dp_size > 1`` raise.
+    Takes either ``config=LowLevelZeroConfig(...)`` or Colossal-AI's keyword arguments, with its defaults:
+    ``stage=1``, ``precision="fp16"``, the loss scaler (``initial_scale=2**32, min_scale=1, growth_factor=2,
+    backoff_factor=0.5, growth_interval=1000, hysteresis=2, max_scale=2**32``), ``max_norm=0.0`` (global gradient
+    clipping inside ``step``), ``reduce_bucket_size_in_m=12``, ``communication_dtype=None``,
+    ``overlap_communication=True``, ``overlap_allgather=False``, ``cpu_offload=False``, ``cast_inputs=True``.
+    ``verbose`` is ignored; ``norm_type`` other than 2.0, ``master_weights=False``, fp8 and ``extra_dp_size > 1``
+    raise. The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with ``config=`` raises.
 
     Example::
 
@@ -49,70 +101,18 @@ class LowLevelZeroPlugin(DPPluginBase):
     LORA = True
     NO_SYNC = True
 
-    def __init__(
-        self,
-        stage: int = 1,
-        precision: str = "fp16",
-        initial_scale: float = 2**32,
-        min_scale: float = 1,
-        growth_factor: float = 2,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        max_scale: float = 2**32,
-        max_norm: float = 0.0,
-        norm_type: float = 2.0,
-        reduce_bucket_size_in_m: float = 12,
-        communication_dtype: torch.dtype | None = None,
-        overlap_communication: bool = True,
-        overlap_allgather: bool = False,
-        cpu_offload: bool = False,
-        master_weights: bool = True,
-        verbose: bool = False,
-        cast_inputs: bool = True,
-        fp8_communication: bool = False,
-        use_fp8: bool = False,
-        extra_dp_size: int = 1,
-    ) -> None:
-        from cai.zero import ZeroConfig
+    def __init__(self, *, config: LowLevelZeroConfig | None = None, **kwargs: Any) -> None:
+        self.config: LowLevelZeroConfig = config_from_kwargs(
+            LOW_LEVEL_ZERO_ARGS, LowLevelZeroConfig, config, kwargs
+        )
 
-        check_precision(precision, _PRECISIONS, owner="LowLevelZeroPlugin")
-        if norm_type != 2.0:
-            raise ValueError(f"LowLevelZeroPlugin: norm_type={norm_type} is not supported; use norm_type=2.0")
-        if not master_weights:
-            raise ValueError(
-                "LowLevelZeroPlugin: master_weights=False is not supported; fp32 masters are kept"
-            )
-        if fp8_communication or use_fp8:
-            raise ValueError(
-                f"LowLevelZeroPlugin: fp8_communication={fp8_communication}, use_fp8={use_fp8} are not supported; "
-                "leave both False"
-            )
-        if extra_dp_size != 1:
-            raise ValueError(f"LowLevelZeroPlugin: extra_dp_size={extra_dp_size} is not supported; use 1")
-        self.stage = stage
-        self._precision = precision
-        self.cast_inputs = cast_inputs
-        # Stage is validated by ZeroConfig (1 or 2); bucket size converts from Colossal-AI's million elements of
-        # fp32 to MiB.
-        self.zero_config = ZeroConfig(
-            stage=stage,
-            bucket_size_mb=reduce_bucket_size_in_m * 4,
-            comm_dtype=communication_dtype,
-            overlap_comm=overlap_communication,
-            overlap_allgather=overlap_allgather,
-            cpu_offload=cpu_offload,
-            max_norm=max_norm,
-        )
-        self.scaler_config = LossScalerConfig(
-            initial_scale=initial_scale,
-            min_scale=min_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            max_scale=max_scale,
-        )
+    @property
+    def zero_config(self) -> ZeroConfig:
+        return self.config.zero
+
+    @property
+    def stage(self) -> int:
+        return self.config.zero.stage
 
     @property
     def capabilities(self) -> Capabilities:
@@ -120,7 +120,7 @@ class LowLevelZeroPlugin(DPPluginBase):
 
     @property
     def precision(self) -> str:
-        return self._precision
+        return self.config.precision
 
     def configure(
         self,
@@ -131,31 +131,20 @@ class LowLevelZeroPlugin(DPPluginBase):
         lr_scheduler: Any,
         ctx: BoostContext,
     ) -> Boosted:
-        from cai.zero import LossScaleConfig, ZeroOptimizer
+        from cai.zero import ZeroOptimizer
 
         names = param_names(model)
         place_replicated(model, ctx)
-        dtype = precision_dtype(self._precision)
+        dtype = precision_dtype(self.precision)
         model.to(dtype)
-        if self.cast_inputs and dtype != torch.float32:
+        if self.config.cast_inputs and dtype != torch.float32:
             _cast_floating_inputs(model, dtype)
         boosted_model = ModelWrapper(model)
         if optimizer is None:
             return boosted_model, None, criterion, dataloader, lr_scheduler
         rebind_optimizer(optimizer, names, dict(model.named_parameters(remove_duplicate=False)))
-        s = self.scaler_config
-        loss_scale = None
-        if self._precision == "fp16":
-            loss_scale = LossScaleConfig(
-                initial_scale=s.initial_scale,
-                growth_factor=s.growth_factor,
-                backoff_factor=s.backoff_factor,
-                growth_interval=s.growth_interval,
-                hysteresis=s.hysteresis,
-                min_scale=s.min_scale,
-                max_scale=s.max_scale,
-            )
-        zo = ZeroOptimizer(optimizer, model=model, config=self.zero_config, loss_scale=loss_scale)
+        loss_scale = self.config.loss_scale if self.precision == "fp16" else None
+        zo = ZeroOptimizer(optimizer, model=model, config=self.config.zero, loss_scale=loss_scale)
         boosted_opt = ZeroOptimizerWrapper(zo)
         boosted_opt.boosted_model = boosted_model
         return boosted_model, boosted_opt, criterion, dataloader, lr_scheduler

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cai.booster._lazy import is_lazy, materialize
 from cai.booster._precision import DynamicLossScaler, autocast_forward
 from cai.booster._pretrained import load_pretrained_into
+from cai.booster._replicas import broadcast_tensors
 from cai.booster._state import ModuleState
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
 from cai.booster.plugin._base import (
@@ -143,9 +144,8 @@ def place_replicated(model: nn.Module, ctx: BoostContext) -> None:
         materialize(model, ctx.device, init=ctx.pretrained is None)
     model.to(ctx.device)
     if random_init and dist.is_initialized() and dist.get_world_size() > 1:
-        # Replicas must start equal even if the ranks' RNGs differ; once, at boost time.
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
+        # Replicas must start equal even if the ranks' RNGs differ; once, at boost time (the check before
+        # configure() skipped these parameters while they were lazy: [Note: replicas agree at boost]).
+        broadcast_tensors([*model.parameters(), *model.buffers()], src=0, group=None)
     if ctx.pretrained is not None:
         load_pretrained_into(ModuleState(model), ctx.pretrained)

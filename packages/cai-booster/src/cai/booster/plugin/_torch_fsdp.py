@@ -59,10 +59,10 @@ class TorchFSDPPlugin(DPPluginBase):
     Args: ``precision="fp32"`` (or ``"bf16"``/``"fp16"``: compute dtype; fp16 adds a loss scaler),
     ``reshard_after_forward=True``, ``wrap_module_names=None`` (see ``FSDPConfig``), and Colossal-AI's names:
     ``sharding_strategy`` (``"FULL_SHARD"``/``"SHARD_GRAD_OP"`` or the torch enum), ``cpu_offload`` (bool or
-    ``CPUOffload``), ``mixed_precision`` (a torch FSDP ``MixedPrecision``; its ``param_dtype`` sets ``precision``),
-    ``backward_prefetch`` (FSDP2 always prefetches; ignored with a warning). ``process_group``,
-    ``auto_wrap_policy``, ``ignored_modules``, ``param_init_fn``, ``sync_module_states`` and ``fp8_communication``
-    are FSDP1 features and raise.
+    ``CPUOffload``; needs CUDA), ``mixed_precision`` (a torch FSDP ``MixedPrecision``; its ``param_dtype`` sets
+    ``precision``), ``backward_prefetch`` (FSDP2 always prefetches; ignored with a warning), ``sync_module_states``
+    (accepted: ``boost()`` always gives every rank rank 0's weights). ``process_group``, ``auto_wrap_policy``,
+    ``ignored_modules``, ``param_init_fn`` and ``fp8_communication`` are FSDP1 features and raise.
     """
 
     LORA = False
@@ -97,11 +97,9 @@ class TorchFSDPPlugin(DPPluginBase):
                     f"TorchFSDPPlugin: {key}={value!r} is an FSDP1 option that FSDP2 does not have; leave it None "
                     "(use wrap_module_names=(...) to choose the sharded submodules, and LazyInitContext for init)"
                 )
-        if sync_module_states or fp8_communication:
-            raise ValueError(
-                f"TorchFSDPPlugin: sync_module_states={sync_module_states}, fp8_communication={fp8_communication} "
-                "are not supported; leave them False (every rank builds the model from the same seed)"
-            )
+        # sync_module_states=True is what boost() always does (rank 0's weights go to every rank), so it is accepted.
+        if fp8_communication:
+            raise ValueError("TorchFSDPPlugin: fp8_communication=True is not supported; leave it False")
         if backward_prefetch is not None:
             warnings.warn(
                 "TorchFSDPPlugin: backward_prefetch is ignored; FSDP2 prefetches by default", stacklevel=2
@@ -147,6 +145,17 @@ class TorchFSDPPlugin(DPPluginBase):
     @property
     def precision(self) -> str:
         return self.config.precision
+
+    def check_device(self, device: torch.device) -> None:
+        # FSDP2's CPUOffloadPolicy moves shards between the host and an accelerator (pinned copies, streams); with
+        # the model on the CPU there is nothing to offload and torch fails or hangs inside the first collective.
+        if self.config.cpu_offload and device.type != "cuda":
+            raise ValueError(
+                f"TorchFSDPPlugin: cpu_offload=True needs CUDA (it keeps the shards on the host and computes on the "
+                f"GPU), but the Booster's device is {device.type!r}"
+                + ("" if torch.cuda.is_available() else " and CUDA is not available")
+                + "; use cpu_offload=False (on the CPU the parameters are on the host already)"
+            )
 
     def configure(
         self,

@@ -1,0 +1,282 @@
+"""Colossal-AI's plugin keyword arguments mapped onto cai's typed configs, by tables.
+
+``LowLevelZeroPlugin(stage=2, precision="bf16", reduce_bucket_size_in_m=12, ...)`` and ``GeminiPlugin(...)``
+take Colossal-AI's names so that its users' scripts run unchanged; inside, each plugin holds one frozen config
+(``LowLevelZeroConfig``, ``GeminiConfig``). Every Colossal-AI name is in exactly one table of its plugin:
+
+- ``mapped``: the name sets a config field (a dotted path), converted to the field's units where they differ;
+- ``ignored``: accepted and ignored, with the reason (cai always behaves that way, or the knob has no meaning);
+- ``rejected``: the feature is not implemented; any value but the accepted one raises with what to use instead.
+
+[Note: config= and keyword arguments]
+Without ``config=`` the config is built from Colossal-AI's defaults (``defaults``: where they differ from the
+config's own, such as ``precision="fp16"``) overlaid with the keywords given. With ``config=`` the config is used
+as it is; a mapped keyword is still allowed when it agrees with the config (a script that passes
+``precision="bf16"`` next to a config that says bf16 is not wrong), and raises when it disagrees, because either
+choice would silently drop the other. Every error about a keyword names it and the value the user passed, in the
+user's units, never only the config field it became.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["GEMINI_ARGS", "LOW_LEVEL_ZERO_ARGS", "PluginArgs", "config_from_kwargs"]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One Colossal-AI keyword that sets ``path`` (dotted, into the config) to ``convert(value)``.
+
+    ``check(value)`` returns why a value is invalid, in the keyword's own units, or None; it runs before the
+    conversion so that the error never speaks of the converted number.
+    """
+
+    path: str
+    convert: Callable[[Any], Any] = _same
+    check: Callable[[Any], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Keywords whose feature cai does not implement: any value other than ``ok`` raises with ``fix``."""
+
+    names: tuple[str, ...]
+    ok: Any
+    fix: str
+
+
+@dataclass(frozen=True)
+class PluginArgs:
+    owner: str
+    mapped: Mapping[str, Mapped]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    ignored: Mapping[str, str] = field(default_factory=dict)
+    rejected: tuple[Rejected, ...] = ()
+
+    def names(self) -> list[str]:
+        return sorted({*self.mapped, *self.ignored, *(n for r in self.rejected for n in r.names)})
+
+
+# ---- LowLevelZeroPlugin ---------------------------------------------------------------------------------------
+
+
+def _positive(unit: str, default: Any) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return None
+        return f"must be > 0 ({unit}; Colossal-AI's default is {default})"
+
+    return check
+
+
+def _bucket_mb(in_m: float) -> float:
+    # Colossal-AI counts the bucket in millions of elements; ZeroConfig counts MiB. The conversion takes fp32
+    # elements (4 bytes), so a bf16 bucket holds twice as many elements as Colossal-AI's of the same name.
+    return in_m * 4
+
+
+LOW_LEVEL_ZERO_ARGS = PluginArgs(
+    owner="LowLevelZeroPlugin",
+    mapped={
+        "stage": Mapped("zero.stage"),
+        "precision": Mapped("precision"),
+        "initial_scale": Mapped("loss_scale.initial_scale"),
+        "min_scale": Mapped("loss_scale.min_scale"),
+        "growth_factor": Mapped("loss_scale.growth_factor"),
+        "backoff_factor": Mapped("loss_scale.backoff_factor"),
+        "growth_interval": Mapped("loss_scale.growth_interval"),
+        "hysteresis": Mapped("loss_scale.hysteresis"),
+        "max_scale": Mapped("loss_scale.max_scale"),
+        "max_norm": Mapped("zero.max_norm"),
+        "reduce_bucket_size_in_m": Mapped(
+            "zero.bucket_size_mb", _bucket_mb, _positive("millions of elements per gradient bucket", 12)
+        ),
+        "communication_dtype": Mapped("zero.comm_dtype"),
+        "overlap_communication": Mapped("zero.overlap_comm"),
+        "overlap_allgather": Mapped("zero.overlap_allgather"),
+        "cpu_offload": Mapped("zero.cpu_offload"),
+        "cast_inputs": Mapped("cast_inputs"),
+    },
+    # Colossal-AI's defaults where they differ from LowLevelZeroConfig's.
+    defaults={
+        "stage": 1,
+        "precision": "fp16",
+        "initial_scale": 2**32,
+        "max_scale": 2**32,
+        "reduce_bucket_size_in_m": 12,
+        "overlap_communication": True,
+    },
+    ignored={"verbose": "cai logs through cai.mesh's rank-aware logger"},
+    rejected=(
+        Rejected(("norm_type",), 2.0, "use norm_type=2.0 (clipping uses the global L2 norm)"),
+        Rejected(("master_weights",), True, "use master_weights=True; fp32 masters are kept"),
+        Rejected(("fp8_communication", "use_fp8"), False, "leave both False (fp8 is not implemented)"),
+        Rejected(("extra_dp_size",), 1, "use 1 (the ZeRO group is the whole world)"),
+    ),
+)
+
+
+# ---- GeminiPlugin ---------------------------------------------------------------------------------------------
+
+
+def _chunk_size(chunk_config_dict: dict | None) -> int | None:
+    return dict(chunk_config_dict or {}).get("chunk_size")
+
+
+def _chunk_dict_check(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        return "must be a dict such as {'chunk_size': 2**24} or None"
+    extra = sorted(set(value) - {"chunk_size"})
+    return f"has keys {extra} that are not supported; only 'chunk_size'" if extra else None
+
+
+_KERNEL_FIX = "leave it False; patch kernels with cai.kernels.patch_hf_model(model) before boost()"
+
+GEMINI_ARGS = PluginArgs(
+    owner="GeminiPlugin",
+    mapped={
+        "chunk_config_dict": Mapped("chunk.chunk_size", _chunk_size, _chunk_dict_check),
+        "placement_policy": Mapped("placement_policy"),
+        "max_prefetch": Mapped("max_prefetch"),
+        "shard_param_frac": Mapped("shard_param_frac"),
+        "offload_optim_frac": Mapped("offload_optim_frac"),
+        "offload_param_frac": Mapped("offload_param_frac"),
+        "warmup_non_model_data_ratio": Mapped("warmup_non_model_data_ratio"),
+        "steady_cuda_cap_ratio": Mapped("steady_cuda_cap_ratio"),
+        "precision": Mapped("precision"),
+        # False means "not asked for": GeminiConfig then pins host buffers when CUDA is there, which
+        # Colossal-AI's default enable_async_reduce=True does as well.
+        "pin_memory": Mapped("pin_memory", lambda v: True if v else None),
+        "search_range_m": Mapped("chunk.search_range_m"),
+        "hidden_dim": Mapped("chunk.hidden_dim"),
+        "min_chunk_size_m": Mapped("chunk.min_chunk_size_m"),
+        "initial_scale": Mapped("loss_scale.initial_scale"),
+        "min_scale": Mapped("loss_scale.min_scale"),
+        "growth_factor": Mapped("loss_scale.growth_factor"),
+        "backoff_factor": Mapped("loss_scale.backoff_factor"),
+        "growth_interval": Mapped("loss_scale.growth_interval"),
+        "hysteresis": Mapped("loss_scale.hysteresis"),
+        "max_scale": Mapped("loss_scale.max_scale"),
+        "max_norm": Mapped("max_norm"),
+        "norm_type": Mapped("norm_type"),
+        # cai's own: update host-resident chunks during backward (see GeminiConfig.overlap_host_step).
+        "overlap_host_step": Mapped("overlap_host_step"),
+    },
+    defaults={"precision": "fp16"},
+    ignored={
+        "enable_gradient_accumulation": "accumulation always works (no_sync() or plain repeated backward)",
+        "chunk_init_device": "chunks are built on the boost() device",
+        "strict_ddp_mode": "every parameter is in a chunk sharded over the whole world",
+        "enable_async_reduce": "reductions already overlap backward where the device allows",
+        "verbose": "cai logs through cai.mesh's rank-aware logger",
+    },
+    rejected=(
+        Rejected(("tp_size",), 1, "use tp_size=1 (tensor parallelism is HybridParallelPlugin's)"),
+        Rejected(("extra_dp_size",), 1, "use extra_dp_size=1 (the chunks are sharded over the whole world)"),
+        Rejected(("memstats",), None, "leave it None (placement_policy='auto' measures memory itself)"),
+        Rejected(("gpu_margin_mem_ratio",), 0.0, "leave it 0.0 (use steady_cuda_cap_ratio)"),
+        Rejected(("master_weights",), True, "use master_weights=True (fp32 master weights are always kept)"),
+        Rejected(("force_outputs_fp32",), False, "leave it False and cast the outputs in the loss"),
+        Rejected(("use_fp8",), False, "leave it False (fp8 compute is not implemented)"),
+        Rejected(("fp8_communication",), False, "leave it False (fp8 communication is not implemented)"),
+        Rejected(("enable_all_optimization",), False, _KERNEL_FIX),
+        Rejected(("enable_fused_normalization",), False, _KERNEL_FIX),
+        Rejected(("enable_flash_attention",), False, _KERNEL_FIX),
+        Rejected(
+            ("enable_sequence_parallelism",), False, "leave it False (sequence parallelism needs tp_size > 1)"
+        ),
+        Rejected(("enable_jit_fused",), False, _KERNEL_FIX),
+    ),
+)
+
+
+# ---- building ---------------------------------------------------------------------------------------------------
+
+
+def config_from_kwargs(args: PluginArgs, config_type: type, config: Any, kwargs: dict[str, Any]) -> Any:
+    """The config a plugin runs with: ``config`` checked against ``kwargs``, or built from them.
+
+    See [Note: config= and keyword arguments]. Raises ``TypeError`` for an unknown keyword (with the closest
+    known names) and ``ValueError`` for a rejected feature, an invalid value or a conflict with ``config``.
+    """
+    owner = args.owner
+    unknown = sorted(set(kwargs) - set(args.names()))
+    if unknown:
+        hints = {n: difflib.get_close_matches(n, args.names(), n=1) for n in unknown}
+        said = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for n, h in hints.items())
+        raise TypeError(
+            f"{owner}() got unexpected keyword arguments {said}; it takes config= or {', '.join(args.names())}"
+        )
+    for row in args.rejected:
+        values = {n: kwargs.get(n, row.ok) for n in row.names}
+        if any(v != row.ok for v in values.values()):
+            given = ", ".join(f"{n}={v!r}" for n, v in values.items())
+            verb = "is" if len(values) == 1 else "are"
+            raise ValueError(f"{owner}: {given} {verb} not supported; {row.fix}")
+    mapped = {n: v for n, v in kwargs.items() if n in args.mapped}
+    for name, value in mapped.items():
+        check = args.mapped[name].check
+        reason = check(value) if check else None
+        if reason:
+            raise ValueError(f"{owner}: {name}={value!r} {reason}")
+    if config is not None:
+        if not isinstance(config, config_type):
+            raise TypeError(
+                f"{owner}: config={type(config).__name__}(...) is not a {config_type.__name__}; pass "
+                f"config={config_type.__name__}(...) or Colossal-AI's keyword arguments"
+            )
+        for name, value in mapped.items():
+            path = args.mapped[name].path
+            want, have = args.mapped[name].convert(value), _get(config, path)
+            if want != have:
+                raise ValueError(
+                    f"{owner}: {name}={value!r} conflicts with config.{path}={have!r}; set it in the config "
+                    f"(dataclasses.replace) or drop the keyword"
+                )
+        return config
+    given = {**args.defaults, **mapped}
+    values = {args.mapped[n].path: args.mapped[n].convert(v) for n, v in given.items()}
+    try:
+        return _build(config_type(), values)
+    except (ValueError, TypeError) as err:
+        text = str(err)
+        if text.startswith(f"{owner}: "):
+            raise  # a check written for the plugin already speaks of its keywords
+        # The config names its own fields; name the keywords the user passed that set them.
+        blamed = [n for n in mapped if re.search(rf"\b{args.mapped[n].path.split('.')[-1]}\b", text)]
+        said = ", ".join(f"{n}={kwargs[n]!r}" for n in blamed)
+        lead = f"{said} {'is' if len(blamed) == 1 else 'are'} invalid: " if blamed else ""
+        raise type(err)(f"{owner}: {lead}{text}") from err
+
+
+def _get(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _build(base: Any, values: dict[str, Any]) -> Any:
+    """``base`` with the dotted ``values`` replaced; nested configs are rebuilt (and so validated) first."""
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        head, _, rest = path.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            top[head] = value
+    for head, sub in nested.items():
+        top[head] = _build(getattr(base, head), sub)
+    return dataclasses.replace(base, **top)

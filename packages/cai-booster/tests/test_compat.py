@@ -1,0 +1,221 @@
+"""Colossal-AI's plugin keyword arguments map onto the typed configs (plugin/_compat.py), and every error about
+one of them names it and the value the user passed."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from cai.booster.plugin import GeminiPlugin, LowLevelZeroConfig, LowLevelZeroPlugin
+from cai.booster.plugin._compat import GEMINI_ARGS, LOW_LEVEL_ZERO_ARGS
+from cai.gemini import ChunkConfig, GeminiConfig
+from cai.gemini import LossScaleConfig as GeminiLossScale
+from cai.zero import LossScaleConfig as ZeroLossScale
+from cai.zero import ZeroConfig
+
+# Colossal-AI's constructor signatures (names and defaults), as its documentation gives them.
+COLOSSAL_LOW_LEVEL_ZERO = dict(
+    stage=1, precision="fp16", initial_scale=2**32, min_scale=1, growth_factor=2, backoff_factor=0.5,
+    growth_interval=1000, hysteresis=2, max_scale=2**32, max_norm=0.0, norm_type=2.0, reduce_bucket_size_in_m=12,
+    communication_dtype=None, overlap_communication=True, overlap_allgather=False, cpu_offload=False,
+    master_weights=True, verbose=False, cast_inputs=True, fp8_communication=False, use_fp8=False, extra_dp_size=1,
+)  # fmt: skip
+COLOSSAL_GEMINI = dict(
+    chunk_config_dict=None, chunk_init_device=None, placement_policy="static", enable_gradient_accumulation=False,
+    max_prefetch=0, shard_param_frac=1.0, offload_optim_frac=0.0, offload_param_frac=0.0,
+    warmup_non_model_data_ratio=0.8, steady_cuda_cap_ratio=0.9, precision="fp16", master_weights=True,
+    pin_memory=False, force_outputs_fp32=False, strict_ddp_mode=False, search_range_m=32, hidden_dim=None,
+    min_chunk_size_m=32, memstats=None, gpu_margin_mem_ratio=0.0, initial_scale=2**16, min_scale=1, growth_factor=2,
+    backoff_factor=0.5, growth_interval=1000, hysteresis=2, max_scale=2**32, max_norm=0.0, norm_type=2.0, tp_size=1,
+    extra_dp_size=1, enable_all_optimization=False, enable_fused_normalization=False, enable_flash_attention=False,
+    enable_sequence_parallelism=False, enable_jit_fused=False, enable_async_reduce=True, use_fp8=False,
+    verbose=False, fp8_communication=False,
+)  # fmt: skip
+
+
+def raises(exc: type[Exception], *parts: str):
+    return pytest.raises(exc, match="".join(f"(?=.*{re.escape(p)})" for p in parts))
+
+
+@pytest.mark.parametrize(
+    ("args", "signature", "cai_own"),
+    [
+        (LOW_LEVEL_ZERO_ARGS, COLOSSAL_LOW_LEVEL_ZERO, set()),
+        (GEMINI_ARGS, COLOSSAL_GEMINI, {"overlap_host_step"}),
+    ],
+    ids=["zero", "gemini"],
+)
+def test_every_colossal_name_is_in_exactly_one_table(args, signature, cai_own) -> None:
+    rejected = [n for r in args.rejected for n in r.names]
+    tables = [*args.mapped, *args.ignored, *rejected]
+    assert len(tables) == len(set(tables)), "a name is in two tables"
+    assert set(tables) == set(signature) | cai_own
+
+
+@pytest.mark.parametrize(
+    ("cls", "signature"), [(LowLevelZeroPlugin, COLOSSAL_LOW_LEVEL_ZERO), (GeminiPlugin, COLOSSAL_GEMINI)]
+)
+def test_colossal_defaults_spelled_out_equal_no_arguments(cls, signature) -> None:
+    assert cls(**signature).config == cls().config
+
+
+def test_low_level_zero_script_maps_onto_the_config() -> None:
+    plugin = LowLevelZeroPlugin(
+        stage=2,
+        precision="bf16",
+        reduce_bucket_size_in_m=6,
+        overlap_communication=False,
+        cpu_offload=True,
+        max_norm=1.0,
+        communication_dtype=torch.float32,
+        initial_scale=2**10,
+        cast_inputs=False,
+        verbose=True,
+    )
+    # reduce_bucket_size_in_m counts millions of fp32 elements: 6 M x 4 bytes = 24 MiB
+    zero = ZeroConfig(
+        stage=2,
+        bucket_size_mb=24,
+        comm_dtype=torch.float32,
+        overlap_comm=False,
+        cpu_offload=True,
+        max_norm=1.0,
+    )
+    scale = ZeroLossScale(initial_scale=2**10, max_scale=2**32)
+    assert plugin.config == LowLevelZeroConfig(
+        zero=zero, precision="bf16", loss_scale=scale, cast_inputs=False
+    )
+    assert plugin.stage == 2 and plugin.precision == "bf16" and plugin.zero_config is plugin.config.zero
+
+
+def test_low_level_zero_defaults_are_colossal_ai_s() -> None:
+    c = LowLevelZeroPlugin().config
+    assert (c.zero.stage, c.precision, c.zero.bucket_size_mb, c.zero.overlap_comm) == (1, "fp16", 48, True)
+    assert (c.loss_scale.initial_scale, c.loss_scale.max_scale) == (2**32, 2**32)
+    # the typed config keeps cai's own defaults
+    assert LowLevelZeroConfig() == LowLevelZeroConfig(
+        zero=ZeroConfig(), precision="bf16", loss_scale=ZeroLossScale()
+    )
+
+
+def test_gemini_script_maps_onto_the_config() -> None:
+    plugin = GeminiPlugin(
+        precision="bf16",
+        placement_policy="static",
+        offload_optim_frac=1.0,
+        shard_param_frac=1.0,
+        initial_scale=2**16,
+        max_norm=1.0,
+        chunk_config_dict={"chunk_size": 1 << 20},
+        hidden_dim=64,
+        pin_memory=True,
+        max_prefetch=2,
+        enable_gradient_accumulation=True,
+        enable_async_reduce=False,
+        strict_ddp_mode=True,
+    )
+    expected = GeminiConfig(
+        precision="bf16",
+        offload_optim_frac=1.0,
+        max_norm=1.0,
+        chunk=ChunkConfig(chunk_size=1 << 20, hidden_dim=64),
+        pin_memory=True,
+        max_prefetch=2,
+        loss_scale=GeminiLossScale(initial_scale=2**16),
+    )
+    assert plugin.config == expected and plugin.precision == "bf16"
+    assert GeminiPlugin().config == GeminiConfig(precision="fp16")  # Colossal-AI's default precision
+
+
+def test_config_is_taken_as_given_and_agreeing_keywords_are_allowed() -> None:
+    config = GeminiConfig(offload_optim_frac=1.0, overlap_host_step=True)
+    assert GeminiPlugin(config=config).config is config
+    assert GeminiPlugin(config=config, precision="bf16", verbose=True).config is config
+    zero = LowLevelZeroConfig(zero=ZeroConfig(stage=2, bucket_size_mb=48), precision="fp32")
+    assert LowLevelZeroPlugin(config=zero, stage=2, reduce_bucket_size_in_m=12).config is zero
+
+
+def test_config_and_a_conflicting_keyword() -> None:
+    with raises(ValueError, "GeminiPlugin: precision='fp16' conflicts with config.precision='bf16'"):
+        GeminiPlugin(config=GeminiConfig(), precision="fp16")
+    with raises(
+        ValueError,
+        "LowLevelZeroPlugin: reduce_bucket_size_in_m=12 conflicts with config.zero.bucket_size_mb=25.0",
+    ):
+        LowLevelZeroPlugin(config=LowLevelZeroConfig(), reduce_bucket_size_in_m=12)
+    with raises(ValueError, "stage=1 conflicts with config.zero.stage=2"):
+        LowLevelZeroPlugin(config=LowLevelZeroConfig(), stage=1)
+    with raises(ValueError, "tp_size=2 is not supported"):  # rejected names are checked with config= too
+        GeminiPlugin(config=GeminiConfig(), tp_size=2)
+
+
+def test_wrong_config_type_and_unknown_keywords() -> None:
+    with raises(TypeError, "LowLevelZeroPlugin: config=ZeroConfig(...) is not a LowLevelZeroConfig"):
+        LowLevelZeroPlugin(config=ZeroConfig())
+    with raises(TypeError, "LowLevelZeroConfig: zero={'stage': 2} is not a cai.zero.ZeroConfig"):
+        LowLevelZeroConfig(zero={"stage": 2})
+    with raises(
+        TypeError,
+        "GeminiPlugin() got unexpected keyword arguments 'ofload_optim_frac'",
+        "'offload_optim_frac'",
+    ):
+        GeminiPlugin(ofload_optim_frac=1.0)
+
+
+def _bad_value(ok):
+    if isinstance(ok, bool):
+        return not ok
+    return {None: "stats", 1: 2, 2.0: 1.0, 0.0: 0.5}[ok]
+
+
+@pytest.mark.parametrize(
+    ("args", "cls"),
+    [(LOW_LEVEL_ZERO_ARGS, LowLevelZeroPlugin), (GEMINI_ARGS, GeminiPlugin)],
+    ids=["zero", "gemini"],
+)
+def test_every_rejected_name_raises_with_its_value_and_the_fix(args, cls) -> None:
+    for row in args.rejected:
+        name = row.names[0]
+        bad = _bad_value(row.ok)
+        with raises(ValueError, f"{args.owner}: {name}={bad!r}", "not supported", row.fix):
+            cls(**{name: bad})
+        cls(**{n: row.ok for n in row.names})  # the accepted value is fine
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "named"),
+    [
+        (LowLevelZeroPlugin, {"reduce_bucket_size_in_m": -1}, "reduce_bucket_size_in_m=-1 must be > 0 (millions of elements"),
+        (LowLevelZeroPlugin, {"reduce_bucket_size_in_m": 0}, "reduce_bucket_size_in_m=0 must be > 0"),
+        (LowLevelZeroPlugin, {"communication_dtype": torch.int8}, "communication_dtype=torch.int8 is invalid"),
+        (LowLevelZeroPlugin, {"max_norm": -1.0}, "max_norm=-1.0 is invalid"),
+        (LowLevelZeroPlugin, {"stage": 3}, "stage=3 is invalid"),
+        (LowLevelZeroPlugin, {"growth_factor": 0.5}, "growth_factor=0.5 is invalid"),
+        (LowLevelZeroPlugin, {"hysteresis": 0}, "hysteresis=0 is invalid"),
+        (GeminiPlugin, {"offload_optim_frac": 1.5}, "offload_optim_frac=1.5 is invalid"),
+        (GeminiPlugin, {"placement_policy": "cuda"}, "placement_policy='cuda' is invalid"),
+        (GeminiPlugin, {"chunk_config_dict": {"chunk_size": 8, "keep_gathered": True}}, "chunk_config_dict={'chunk_size': 8, 'keep_gathered': True} has keys ['keep_gathered']"),
+        (GeminiPlugin, {"search_range_m": -1}, "search_range_m=-1 is invalid"),
+        (GeminiPlugin, {"initial_scale": 0.5, "min_scale": 1}, "initial_scale=0.5, min_scale=1 are invalid"),
+        (GeminiPlugin, {"precision": "fp8"}, "precision='fp8' is invalid"),
+    ],
+)  # fmt: skip
+def test_validation_errors_name_the_colossal_argument_and_the_value_given(cls, kwargs, named) -> None:
+    with raises(ValueError, f"{cls.__name__}: {named}"):
+        cls(**kwargs)
+
+
+def test_bucket_size_error_speaks_in_the_users_units() -> None:
+    with pytest.raises(ValueError) as info:
+        LowLevelZeroPlugin(reduce_bucket_size_in_m=-1)
+    assert "reduce_bucket_size_in_m=-1" in str(info.value)
+    assert "bucket_size_mb" not in str(info.value) and "-4" not in str(info.value)
+
+
+def test_configs_are_frozen() -> None:
+    plugin = LowLevelZeroPlugin(stage=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plugin.config.precision = "bf16"  # type: ignore[misc]
