@@ -6,20 +6,24 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from cai.mesh import LocalShard, assemble
+from cai.mesh import LocalShard, ShardSpec, assemble
 
-VOCAB = 64
+# Odd sizes on purpose (see [Note: odd test sizes] in cai.mesh.testing): a prime vocabulary and a width of 33 make
+# the embeddings, the norms and the 33-row projections split unevenly at dp 2 and 4, so every flat layout (ZeRO
+# buckets, Gemini chunks, FSDP's row shards) ends with padding on the last rank.
+VOCAB = 251
 PLUGINS = ("ddp", "fsdp", "zero1", "zero2", "gemini")
 
 
 def tiny_llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=33,
+        intermediate_size=72,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=8,  # rotary needs an even head size, which 33 / 3 is not
         max_position_embeddings=64,
         tie_word_embeddings=False,
         attn_implementation="eager",
@@ -52,3 +56,49 @@ def gathered_params(booster, model) -> dict[str, torch.Tensor]:
     dist.all_gather_object(everyone, pieces)
     names = {n for n, _ in model.unwrap().named_parameters()}
     return {n: assemble([LocalShard(*r[n]) for r in everyone if n in r]) for n in names}
+
+
+def last_rank_padding(plugin: str, model, optimizer) -> int:
+    """Elements of padding in this rank's flat pieces when it is the last rank: ZeRO buckets and Gemini chunks
+    that end inside its shard, or FSDP parameters whose rows do not split evenly. The parity tests assert it is
+    positive, so a change of model sizes cannot silently stop covering the padded last piece."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if rank != world - 1 or world == 1:
+        return 0
+    if plugin in ("zero1", "zero2"):
+        return sum(
+            b.padded - max(b.numel, rank * b.shard) for b in optimizer.unwrap().buckets if b.numel < b.padded
+        )
+    if plugin == "gemini":
+        return sum(
+            c.chunk_size - max(c.used, rank * c.shard_size)
+            for c in model._cai_gemini.chunks
+            if c.used < c.chunk_size
+        )
+    if plugin == "fsdp":
+        return sum(-p.shape[0] % world for p in model.unwrap().parameters() if p.dim())
+    return 0
+
+
+def grad_pieces(plugin: str, model, optimizer) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
+    """This rank's pieces of the reduced gradients by parameter name, read where each plugin keeps them. Call
+    between the last backward of a step and ``step()``."""
+    if plugin == "ddp":
+        return {n: (p.grad, ShardSpec.full(p.shape)) for n, p in model.unwrap().named_parameters()}
+    if plugin == "fsdp":  # DTensor row shards; full_tensor() assembles them from every rank (a collective)
+        return {
+            n: (p.grad.full_tensor(), ShardSpec.full(p.shape)) for n, p in model.unwrap().named_parameters()
+        }
+    if plugin == "gemini":
+        return dict(model._cai_gemini.sharded_grads())
+    zo = optimizer.unwrap()
+    zo.grad_norm()  # reduces whatever is pending, so the bucket shards are final
+    rank, out = dist.get_rank(), {}
+    for b in zo.buckets:
+        lo = rank * b.shard  # recomputed, not read from the bucket: [Note: bucket layout] in cai-zero
+        for s in b.slots:
+            a, z = max(s.offset, lo), min(s.offset + s.numel, lo + b.shard)
+            if a < z:
+                spec = ShardSpec(global_shape=s.shape, flat_range=(a - s.offset, z - s.offset))
+                out[s.name] = (b.grad_shard[a - lo : z - lo], spec)
+    return out

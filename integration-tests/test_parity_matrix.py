@@ -2,7 +2,9 @@
 20 steps of a tiny Llama through ``Booster`` against the same model trained in one process in fp32.
 
 Each case runs on ``dp`` gloo ranks; every rank also trains the one-process reference on the whole global batch
-(cheap at this size), so the comparison happens inside the worker and only the verdict travels back.
+(cheap at this size), so the comparison happens inside the worker and only the verdict travels back. Every rank
+compares the losses, its pieces of the reduced gradients (first and last step) and the parameters assembled from
+all ranks' pieces; the model's odd sizes leave padding on the last rank of every flat layout.
 
 ``CAI_TEST_DEVICE=cuda`` runs the same matrix with NCCL, one GPU per rank, on 2, 4 and 8 ranks (those the machine
 has GPUs for), each rank's reference on its own GPU, with the same tolerances:
@@ -23,13 +25,26 @@ from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-from _booster_cases import PLUGINS, VOCAB, gathered_params, make_plugin, tiny_llama  # noqa: E402
+from _booster_cases import (  # noqa: E402
+    PLUGINS,
+    VOCAB,
+    gathered_params,
+    grad_pieces,
+    last_rank_padding,
+    make_plugin,
+    tiny_llama,
+)
 
 STEPS = 20
 GLOBAL_BATCH = 8
 SEQ = 16
 LR = 1e-3
+# Adam divides by sqrt(v) + eps: a gradient element near zero (the prime vocabulary leaves some of them) differs from
+# the one-process sum by rounding, which eps = 1e-8 amplifies into parameter differences of ~2e-7 after 20 steps.
+# eps = 1e-4 keeps that at rounding / eps of lr per step, so parameters can be compared at 1e-6 relative.
+EPS = 1e-4
 MAX_NORM = 0.05  # small enough that clipping is active on every step
+GRAD_STEPS = (0, STEPS - 1)  # steps whose gradients are compared (the first, and one after 19 updates)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,10 +83,12 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
-def reference_run(mode: str, micro: int, device: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(
+    mode: str, micro: int, device: str
+) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
     model = tiny_llama().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, grads = [], []
     for step in range(STEPS):
         ids = batch(step).to(device)
         total = 0.0
@@ -79,12 +96,14 @@ def reference_run(mode: str, micro: int, device: str) -> tuple[list[float], dict
             loss = lm_loss(model(chunk).logits, chunk) / micro
             loss.backward()
             total += loss.item()
+        if step in GRAD_STEPS:
+            grads.append({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()})
         if mode == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, full_params(model)
+    return losses, full_params(model), grads
 
 
 def boosted_run(case: Case) -> dict:
@@ -96,10 +115,11 @@ def boosted_run(case: Case) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on both sides of the comparison
     micro = 2 if case.mode == "accum" else 1
     model = tiny_llama()
-    ref_losses, ref_params = reference_run(case.mode, micro, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_losses, ref_params, ref_grads = reference_run(case.mode, micro, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     booster = Booster(plugin=make_plugin(case.plugin), device=device)
     model, opt, *_ = booster.boost(model, opt)
+    padding = last_rank_padding(case.plugin, model, opt)
     losses = []
     for step in range(STEPS):
         ids = batch(step).chunk(world)[rank].to(device)
@@ -116,6 +136,15 @@ def boosted_run(case: Case) -> dict:
                 loss = lm_loss(model(chunk).logits, chunk) / micro
                 booster.backward(loss, opt)
             total += loss.detach()
+        if step in GRAD_STEPS:
+            # every rank's pieces of the reduced gradients, before clipping, against the one-process gradients
+            want = ref_grads[GRAD_STEPS.index(step)]
+            pieces = grad_pieces(case.plugin, model, opt)
+            assert pieces, f"rank {rank} holds no gradient piece"
+            for name, (local, spec) in pieces.items():
+                scale = float(want[name].abs().max())
+                assert_close(local.float().cpu(), spec.cut(want[name]), rtol=1e-5, atol=1e-6 * scale,
+                             name=f"rank {rank} step {step} grad {name}")  # fmt: skip
         if case.mode == "clip":
             opt.clip_grad_by_norm(MAX_NORM)
         opt.step()
@@ -134,7 +163,7 @@ def boosted_run(case: Case) -> dict:
     # the order of a gradient sum (all-reduce vs one process) into up to ~1e-5 relative on a parameter whose
     # gradient cancels, which a 1e-6 bound catches on some CPUs and not on others.
     assert_close(params, ref_params, rtol=1e-5, atol=1e-7, name="params")
-    return {"loss": losses[-1]}
+    return {"loss": losses[-1], "padding": padding}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -144,3 +173,7 @@ def test_parity(case: Case) -> None:
     backend = "nccl" if DEVICE == "cuda" else "gloo"
     results = run_distributed(boosted_run, case.dp, case, timeout=180, backend=backend)
     assert len({round(r["loss"], 12) for r in results}) == 1
+    if case.dp > 1 and case.plugin != "ddp":
+        assert results[-1]["padding"] > 0, (
+            "the last rank's flat pieces hold no padding: the model divides evenly"
+        )

@@ -47,7 +47,7 @@ def _full_state(plugin: str, model: nn.Module) -> dict[str, torch.Tensor]:
 def _boost_mismatched(plugin: str, kind: str) -> str:
     rank = dist.get_rank()
     if kind == "shape":
-        model = TinyTransformer(hidden=32 if rank == 0 else 48, heads=4)
+        model = TinyTransformer(vocab_size=64, hidden=32 if rank == 0 else 48, heads=4)
     else:  # rank 1 has a module that rank 0 lacks
         model = TinyTransformer()
         if rank == 1:

@@ -36,7 +36,7 @@ def test_parameters_are_meta_buffers_are_real_and_ties_survive() -> None:
     assert not is_lazy(model)
     assert model.head.weight is model.embed.weight
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert torch.equal(model.blocks[0].ln1.weight, torch.ones(32))  # LayerNorm.reset_parameters ran
+    assert torch.equal(model.blocks[0].ln1.weight, torch.ones(33))  # LayerNorm.reset_parameters ran
     assert float(model.blocks[0].qkv.weight.detach().std()) > 0
 
 
@@ -86,7 +86,10 @@ def _lazy_pretrained(plugin_name: str) -> dict:
         not torch.equal((p.full_tensor() if hasattr(p, "full_tensor") else p), full[n])
         for n, p in module.named_parameters()
     )
-    return {"local_numel": local_numel, "total": sum(t.numel() for t in expected.values()), "moved": moved}
+    # FSDP splits rows: a rank holds at most one row more than half of a tensor whose rows do not split evenly
+    slack = sum(t.numel() // t.shape[0] for t in expected.values() if t.dim() and t.shape[0])
+    total = sum(t.numel() for t in expected.values())
+    return {"local_numel": local_numel, "total": total, "slack": slack, "moved": moved}
 
 
 @pytest.mark.parametrize("plugin", ["ddp", "fsdp", "zero"])
@@ -95,7 +98,7 @@ def test_lazy_model_loads_pretrained_after_boost(plugin: str) -> None:
     for r in results:
         assert r["moved"]
         if plugin == "fsdp":
-            assert r["local_numel"] <= r["total"] // 2 + 64  # only this rank's shard was allocated
+            assert r["local_numel"] <= r["total"] // 2 + r["slack"]  # only this rank's shard was allocated
         else:
             assert r["local_numel"] == r["total"]
 

@@ -122,3 +122,64 @@ def _ddp_no_sync_equivalence() -> bool:
 
 def test_ddp_no_sync_accumulation_matches_the_joined_batch() -> None:
     assert run_distributed(_ddp_no_sync_equivalence, 2) == [True, True]
+
+
+GRAD_NORM_STEPS = 2
+MAX_NORM = 0.3  # below the gradient norm of every step here, so clipping is active
+
+
+def _ref_norm(model: torch.nn.Module, norm_type: float = 2.0) -> float:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads, norm_type=norm_type))
+
+
+def _grad_norms(plugin: str, clip: bool) -> dict[str, list[float]]:
+    """get_grad_norm (and clip_grad_by_norm) through the Booster beside the same model trained in one process on
+    the whole batch; every rank returns what it read."""
+    booster, _ = build(plugin, "fp32")
+    model = TinyTransformer(seed=0)  # odd sizes: FSDP's row shards and ZeRO's buckets are uneven at dp 2
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref = TinyTransformer(seed=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, list[float]] = {
+        k: [] for k in ("got", "want", "got_inf", "want_inf", "clip", "after", "ref_after")
+    }
+    for step in range(GRAD_NORM_STEPS):
+        # every row has the same number of counted labels, so the mean of the ranks' means is the batch mean
+        ids, labels = make_batch(batch_size=4, seq_len=16, seed=step)
+        booster.backward(TinyTransformer.loss(model(ids.chunk(world)[rank]), labels.chunk(world)[rank]), opt)
+        TinyTransformer.loss(ref(ids), labels).backward()
+        out["got"].append(opt.get_grad_norm())
+        out["want"].append(_ref_norm(ref))
+        if plugin in ("zero1", "zero2"):
+            with pytest.raises(ValueError, match="norm_type=inf is not supported under ZeRO"):
+                opt.get_grad_norm(norm_type=float("inf"))
+        else:
+            out["got_inf"].append(opt.get_grad_norm(norm_type=float("inf")))
+            out["want_inf"].append(_ref_norm(ref, float("inf")))
+        if clip:
+            out["clip"].append(float(opt.clip_grad_by_norm(MAX_NORM)))  # the norm before clipping
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            out["after"].append(opt.get_grad_norm())
+            out["ref_after"].append(_ref_norm(ref))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+@pytest.mark.parametrize("plugin", ["ddp", "fsdp", "zero1", "zero2", "gemini"])
+def test_get_grad_norm_is_the_global_norm(plugin: str, clip: bool) -> None:
+    results = run_distributed(_grad_norms, 2, plugin, clip)
+    for rank, r in enumerate(results):
+        # the second step's gradients come from parameters that the (clipped) first step updated
+        assert r["got"] == pytest.approx(r["want"], rel=1e-5), (rank, r)
+        assert r["got_inf"] == pytest.approx(r["want_inf"], rel=1e-5), (rank, r)
+        if clip:
+            assert all(w > MAX_NORM * 1.5 for w in r["want"]), "clipping would be inactive: lower MAX_NORM"
+            assert r["clip"] == pytest.approx(r["want"], rel=1e-5), (rank, r)
+            assert r["after"] == pytest.approx(r["ref_after"], rel=1e-5), (rank, r)
+            assert r["after"] == pytest.approx([MAX_NORM] * GRAD_NORM_STEPS, rel=1e-4), (rank, r)

@@ -202,7 +202,7 @@ def test_missing_shard(tmp_path):
 
 def test_shard_of_another_model(tmp_path):
     d, shards = _saved(tmp_path)
-    ck.save_model(TinyTransformer(hidden=16, layers=1), tmp_path / "other")
+    ck.save_model(TinyTransformer(hidden=16, heads=4, layers=1), tmp_path / "other")
     foreign = (tmp_path / "other/model-00001-of-00001.safetensors").read_bytes()
     (d / shards[1]).write_bytes(foreign)
     _expect_error(d, f"{shards[1]} has .* bytes, its manifest says")  # the manifest notices first
@@ -233,7 +233,7 @@ def test_missing_unexpected_keys_and_shape_mismatch(tmp_path):
     ck.load_model(dst, tmp_path / "m", strict=False)
     with pytest.raises(
         ck.CheckpointError,
-        match=r"shape mismatch for 'embed.weight': checkpoint has \(64, 32\) \(in model-00001-of-00001.safetensors\), the current model needs \(80, 32\)",
+        match=r"shape mismatch for 'embed.weight': checkpoint has \(251, 33\) \(in model-00001-of-00001.safetensors\), the current model needs \(80, 33\)",
     ):
         ck.load_model(TinyTransformer(vocab_size=80, tie_embeddings=False), tmp_path / "m")
 

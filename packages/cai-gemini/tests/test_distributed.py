@@ -39,10 +39,15 @@ class CountCase:
     gemini: dict
 
 
+# Several parameters to a chunk (the largest, the embedding, has 8283 elements), so that one collective per chunk
+# is fewer than one per parameter.
+COUNT_CHUNK = 9000
+
+
 def _count_collectives(case: CountCase) -> dict:
     model = TinyTransformer()
     gm, gopt = shard(
-        model, HybridAdam(model.parameters(), lr=LR), config=_cfg(3000, **case.gemini), device="cpu"
+        model, HybridAdam(model.parameters(), lr=LR), config=_cfg(COUNT_CHUNK, **case.gemini), device="cpu"
     )
     _step(gm, gopt, 0, 2)  # the first step records the order
     with CollectiveCounter() as cc:

@@ -66,7 +66,7 @@ def test_cuda_matches_reference(case: GpuCase) -> None:
 
 def test_bf16_auto_policy_stays_under_budget() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
-    model = TinyTransformer(hidden=64, layers=4, vocab_size=256)
+    model = TinyTransformer(hidden=64, heads=4, layers=4, vocab_size=256)
     cap = torch.cuda.memory_allocated(dev) + (64 << 20)
     tracker = CudaMemoryTracker(dev, capacity=cap)
     cfg = GeminiConfig(

@@ -85,6 +85,37 @@ def test_matches_cross_entropy_float64(case, impl, device):
         assert err <= grad_tol * r.grad.abs().max().item(), f"{name}: {err}"
 
 
+@pytest.mark.parametrize("ignore_index", [7, -1], ids=["in-vocab-7", "minus-1"])
+@pytest.mark.parametrize("extra", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"}],
+                         ids=["plain", "smooth-z-sum"])  # fmt: skip
+def test_non_default_ignore_index_matches_float64(ignore_index, extra, impl, device):
+    # Hugging Face's loss hook passes the caller's ignore_index through, so -100 is only the default. The ignored
+    # label is present in the targets and no label is -100: masking -100 instead would count the ignored tokens
+    # (an in-vocabulary 7 as a real target; -1 as a target no vocabulary shard holds), and masking nothing at all
+    # would count them too.
+    g = torch.Generator().manual_seed(5)
+    t, hdim, v = 29, 16, 53
+    h = (torch.randn(t, hdim, generator=g) * 0.5).to(device).requires_grad_()
+    w = (torch.randn(v, hdim, generator=g) * 0.5).to(device).requires_grad_()
+    y = torch.randint(0, v, (t,), generator=g)
+    y[y == ignore_index] = ignore_index + 1  # the ignored value appears exactly where it is put below
+    y[::4] = ignore_index
+    y = y.to(device)
+    assert int((y == ignore_index).sum()) == 8 and not (y == -100).any()
+    loss = fused_linear_cross_entropy(h, w, y, ignore_index=ignore_index, chunk_size=8, **extra)
+    (loss * 1.5).backward()
+    hd, wd = (x.detach().double().requires_grad_() for x in (h, w))
+    kw = dict(smoothing=extra.get("label_smoothing", 0.0), z_loss=extra.get("z_loss", 0.0),
+              reduction=extra.get("reduction", "mean"))  # fmt: skip
+    ref = reference(hd, wd, None, y, ignore_index=ignore_index, **kw)
+    (ref * 1.5).backward()
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    for name, got, want in (("dh", h.grad, hd.grad), ("dw", w.grad, wd.grad)):
+        err = (got.double() - want).abs().max().item()
+        assert err <= 1e-5 * want.abs().max().item(), f"{name}: {err}"
+    assert not h.grad[::4].any(), "ignored tokens must get no gradient"
+
+
 def test_batched_hidden_and_no_grad(impl, monkeypatch):
     from cai.kernels import _fused_ce
 

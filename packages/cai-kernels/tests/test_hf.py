@@ -79,6 +79,33 @@ def test_patched_model_matches_original(case, impl, restore_rope):
         assert model(input_ids=ids, labels=labels).logits is not None
 
 
+@pytest.mark.parametrize("num_items", [None, 9], ids=["mean", "num-items"])
+def test_loss_hook_passes_a_non_default_ignore_index(num_items, impl, restore_rope):
+    # A caller's ignore_index reaches the model's loss_function through the forward's keyword arguments; the fused
+    # loss must mask that value, not -100. Label 7 is an ordinary token id here, so counting it changes the loss.
+    torch.manual_seed(2)
+    ref = build(Case(arch="llama", tie=False)).double()
+    ids = torch.randint(0, 61, (2, 9))
+    labels = ids.clone()
+    labels[:, ::3] = 7
+    kw = {"ignore_index": 7}
+    if num_items is not None:
+        kw["num_items_in_batch"] = torch.tensor(num_items)
+    ref_out = ref(input_ids=ids, labels=labels, **kw)
+    ref_out.loss.backward()
+    model = patch_hf_model(copy.deepcopy(ref), rope=False)
+    model.zero_grad()
+    assert isinstance(model.lm_head, FusedLMHead)
+    out = model(input_ids=ids, labels=labels, **kw)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-6, atol=0)
+    # the ignored label matters: with the default ignore_index the loss is another number
+    assert abs(ref(input_ids=ids, labels=labels).loss.item() - ref_out.loss.item()) > 1e-4
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_num_items_in_batch_and_no_labels(impl, restore_rope):
     torch.manual_seed(1)
     ref = build(Case(arch="llama", tie=False))

@@ -145,6 +145,51 @@ def test_flat_shard_example() -> None:
     assert last.flat_range == (24, 30) and last.padding == 2 and not last.is_full
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_padded_last_rank_cut_and_place_exact_values(world_size: int) -> None:
+    # 251 elements (prime): every rank holds ceil(251 / world) of them and the last rank's piece ends in padding.
+    # The values are spelled out, not derived from cut/place, so a piece read or written at a shifted offset fails.
+    shape = (251,)
+    full = torch.arange(1, 252, dtype=torch.float32)
+    per = -(-251 // world_size)
+    last = world_size - 1
+    spec = ShardSpec.flat_shard(shape, last, world_size)
+    assert spec.flat_range == (last * per, 251) and spec.padding == per * world_size - 251 > 0
+    local = spec.cut(full)
+    expected = torch.cat([torch.arange(last * per + 1, 252, dtype=torch.float32), torch.zeros(spec.padding)])
+    assert torch.equal(local, expected)
+    # place writes exactly the held elements, from the start of the local piece, and drops the padding
+    marked = local.clone()
+    marked[spec.numel :] = -1.0  # padding that must never reach the global tensor
+    out = spec.place(marked, torch.zeros(shape))
+    assert torch.equal(out[last * per :], full[last * per :])
+    assert not out[: last * per].any()
+    # every rank's piece placed back rebuilds the tensor; none but the last one is padded
+    rebuilt = torch.zeros(shape)
+    for rank in range(world_size):
+        piece = ShardSpec.flat_shard(shape, rank, world_size)
+        assert piece.padding == (0 if rank < last else per * world_size - 251)
+        assert torch.equal(piece.cut(full)[: piece.numel], full[rank * per : rank * per + piece.numel])
+        piece.place(piece.cut(full), rebuilt)
+    assert torch.equal(rebuilt, full)
+
+
+def test_padded_last_rank_of_a_2d_block() -> None:
+    # A (7, 5) tensor over 4 ranks: 9 elements each; the last rank holds flat elements [27, 35) (the last three of
+    # row 5 and all of row 6), then one zero of padding. Its read region starts at row 5.
+    full = torch.arange(1, 36, dtype=torch.float32).reshape(7, 5)
+    spec = ShardSpec.flat_shard((7, 5), 3, 4)
+    assert spec.flat_range == (27, 35) and spec.padding == 1
+    assert spec.read_region() == (slice(5, 7), slice(0, 5))
+    local = spec.cut(full)
+    assert torch.equal(local, torch.tensor([28.0, 29, 30, 31, 32, 33, 34, 35, 0]))
+    assert torch.equal(spec.cut_region(full[spec.read_region()]), local)
+    out = spec.place(torch.tensor([28.0, 29, 30, 31, 32, 33, 34, 35, -1]), torch.zeros(7, 5))
+    expected = torch.zeros(7, 5)
+    expected.view(-1)[27:] = full.view(-1)[27:]
+    assert torch.equal(out, expected)
+
+
 def test_place_into_non_contiguous_target() -> None:
     full = _arange((4, 6))
     target = torch.zeros(6, 4, dtype=full.dtype).t()  # (4, 6) view that is not contiguous

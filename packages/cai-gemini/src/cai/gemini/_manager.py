@@ -299,9 +299,13 @@ class AutoPlacer:
         self.transient_peak = max(self.transient_peak, self._transient())
         wanted = {c.index for c in chunks}
         for c in chunks:
-            if c.keep_gathered or c.shard_location == DEVICE:
+            on_host = c.shard_location != DEVICE
+            if c.keep_gathered or (c.gathered and not on_host):
                 continue
-            need = c.shard_size * c.full.element_size()  # type: ignore[union-attr]
+            # A chunk whose shard already lives on the device still needs room for its gathered buffer and a grad
+            # buffer: chunks differ in size (a parameter larger than the chunk size gets a chunk of its own), so
+            # the room left when a smaller chunk's shard moved up may not be enough for a larger one.
+            need = c.shard_size * c.full.element_size() if on_host else 0  # type: ignore[union-attr]
             full = c.chunk_size * c.full.element_size()  # type: ignore[union-attr]
             reserve = (
                 need + (0 if c.gathered else full) + full
@@ -316,7 +320,7 @@ class AutoPlacer:
                     v.move_shard(HOST)
                     self.evictions += 1
                     self.tracker.evictions += 1
-            if self._free() >= reserve:
+            if on_host and self._free() >= reserve:
                 c.move_shard(DEVICE)
 
     def after_warmup(

@@ -178,21 +178,31 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 out.append((c, g))
         return out
 
-    def _grad_norm(self, grads: list[tuple[Chunk, torch.Tensor]]) -> float:
-        if self.norm_type == float("inf"):
+    def _grad_norm(self, grads: list[tuple[Chunk, torch.Tensor]], norm_type: float) -> float:
+        if norm_type == float("inf"):
             local = max((float(g.abs().max()) for _, g in grads), default=0.0)
             return self._all_reduce(local, dist.ReduceOp.MAX)
+        if norm_type != 2.0:
+            raise ValueError(f"GeminiOptimizer: norm_type={norm_type} is not supported; use 2.0 or inf")
         local = sum(float(g.double().pow(2).sum()) for _, g in grads)
         return math.sqrt(self._all_reduce(local, dist.ReduceOp.SUM))
+
+    def grad_norm(self, norm_type: float = 2.0) -> float:
+        """Global norm of the accumulated gradients, over every rank's shard of every trainable chunk.
+
+        The gradients are taken as they are: with fp16 they carry the loss scale until ``step()`` unscales them.
+        """
+        if self.model.config.overlap_host_step:
+            raise ValueError(
+                "GeminiOptimizer.grad_norm: with overlap_host_step=True the host chunks' gradients are consumed "
+                "during backward, so no global norm exists after it; set overlap_host_step=False to read the norm"
+            )
+        return self._grad_norm(self._grads(), float(norm_type))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale the accumulated gradients so their global norm is at most ``max_norm``; returns the norm."""
         grads = self._grads()
-        prev, self.norm_type = self.norm_type, float(norm_type)
-        try:
-            norm = self._grad_norm(grads)
-        finally:
-            self.norm_type = prev
+        norm = self._grad_norm(grads, float(norm_type))
         coef = min(1.0, max_norm / (norm + 1e-6))
         for _, g in grads:
             g.mul_(coef)

@@ -173,7 +173,9 @@ class GeminiOptimizerWrapper(OptimizerWrapper):
         )
 
     def get_grad_norm(self, norm_type: float = 2.0, **_: Any) -> float:
-        raise ValueError("get_grad_norm is not supported under Gemini; clip_grad_by_norm returns the norm")
+        # Between backward and step the fp16 gradients still carry the loss scale (step() removes it).
+        scale = self.go.scaler.scale if self.go.scaler is not None else 1.0
+        return self.go.grad_norm(norm_type) / scale
 
     def unwrap(self) -> Any:
         return self.go

@@ -206,6 +206,8 @@ class ZeroOptimizerWrapper(OptimizerWrapper):
         return self.zo.clip_grad_norm(max_norm)
 
     def get_grad_norm(self, norm_type: float = 2.0, **_: Any) -> float:
+        if norm_type != 2.0:
+            raise ValueError(f"get_grad_norm: norm_type={norm_type} is not supported under ZeRO; use 2.0")
         return float(self.zo.grad_norm())
 
     def clip_grad_by_value(self, clip_value: float, *args: Any, **kwargs: Any) -> None:

@@ -35,20 +35,33 @@ class TinyTransformer(nn.Module):
     """A GPT-style model small enough to train for 20 steps in well under a second on one CPU core.
 
     ``seed`` makes the initial weights independent of the global RNG, so a reference and a sharded run build the
-    same model. ``tie_embeddings`` shares the input embedding with the output head.
+    same model. ``tie_embeddings`` shares the input embedding with the output head. ``heads`` defaults to 4 when
+    ``hidden`` divides by 4, else 3.
+
+    [Note: odd test sizes]
+    The default sizes are odd on purpose: a vocabulary of 251 (prime) and a width of 33 (3 heads of 11) make most
+    parameters' element counts odd (``qkv.weight`` 3267, ``embed.weight`` 8283, the norms 33), so flat buckets,
+    chunks and even flat splits over 2 or 4 ranks end with padding on the last rank. With sizes that are
+    multiples of 32 every split divides evenly and a bug in the padded last piece goes unnoticed.
     """
 
     def __init__(
         self,
-        vocab_size: int = 64,
-        hidden: int = 32,
+        vocab_size: int = 251,
+        hidden: int = 33,
         layers: int = 2,
-        heads: int = 4,
+        heads: int | None = None,
         max_seq: int = 32,
         tie_embeddings: bool = False,
         seed: int | None = 0,
     ) -> None:
         super().__init__()
+        if heads is None:  # 4 for the usual widths (the default before the odd sizes), 3 of 11 for 33
+            heads = 4 if hidden % 4 == 0 else 3
+        if hidden % heads:
+            raise ValueError(
+                f"TinyTransformer: hidden={hidden} is not divisible by heads={heads}; pick heads that divide it"
+            )
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
@@ -74,7 +87,7 @@ class TinyTransformer(nn.Module):
 
 
 def make_batch(
-    batch_size: int = 4, seq_len: int = 16, vocab_size: int = 64, *, seed: int = 0
+    batch_size: int = 4, seq_len: int = 16, vocab_size: int = 251, *, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic batch ``(input_ids, labels)``; labels are the inputs shifted left, the last one ignored."""
     g = torch.Generator().manual_seed(seed)
