@@ -13,6 +13,8 @@ all-gather per chunk and gradients leave through one reduce-scatter per chunk.
 
 from __future__ import annotations
 
+import mmap
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -69,17 +71,34 @@ class TensorInfo:
 
 
 def _alloc(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
-    if device.type != "cpu" or not pin:
+    if device.type != "cpu" or not pin or numel == 0:
         return torch.empty(numel, dtype=dtype, device=device)
     # Register ordinary host memory instead of torch.empty(pin_memory=True): the caching host allocator rounds
     # every block up to a power of two, which can double the host memory of large chunks.
-    t = torch.empty(numel, dtype=dtype)
-    if (
-        t.numel()
-        and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) != 0
-    ):
+    # [Note: host registration] cudaHostRegister works on whole pages and fails with
+    # cudaErrorHostMemoryAlreadyRegistered when a page is registered already, an error torch then reports from an
+    # unrelated later call. So each registration covers pages that belong to this buffer alone (a page-aligned
+    # window inside an allocation one page larger), and it is undone exactly once: by ``_free_pinned`` or, when the
+    # buffer is simply dropped, when its memory is freed (a registration left on freed memory made the next
+    # buffer the allocator placed there fail).
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    span = -(-nbytes // _PAGE) * _PAGE
+    raw = torch.empty(span + _PAGE, dtype=torch.uint8)
+    window = raw[(-raw.data_ptr()) % _PAGE :][:span]
+    ptr = window.data_ptr()
+    if int(torch.cuda.cudart().cudaHostRegister(ptr, span, 0)) != 0:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
-    return t
+    _REGISTERED[ptr] = weakref.finalize(raw, _unregister, ptr)
+    return window[:nbytes].view(dtype)
+
+
+_PAGE = mmap.PAGESIZE
+_REGISTERED: dict[int, weakref.finalize] = {}  # registered address -> the finalizer that unregisters it
+
+
+def _unregister(ptr: int) -> None:
+    _REGISTERED.pop(ptr, None)
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -93,8 +112,10 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _free_pinned(t: torch.Tensor) -> None:
-    if t.device.type == "cpu" and t.numel() and torch.cuda.is_available() and t.is_pinned():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    """Unregister a buffer of ``_alloc`` now, before it is dropped (see [Note: host registration])."""
+    finalizer = _REGISTERED.get(t.data_ptr()) if t.numel() else None
+    if finalizer is not None:
+        finalizer()
 
 
 class Chunk:
