@@ -14,7 +14,6 @@ all-gather per chunk and gradients leave through one reduce-scatter per chunk.
 from __future__ import annotations
 
 import mmap
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -77,28 +76,27 @@ def _alloc(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> t
     # every block up to a power of two, which can double the host memory of large chunks.
     # [Note: host registration] cudaHostRegister works on whole pages and fails with
     # cudaErrorHostMemoryAlreadyRegistered when a page is registered already, an error torch then reports from an
-    # unrelated later call. So each registration covers pages that belong to this buffer alone (a page-aligned
-    # window inside an allocation one page larger), and it is undone exactly once: by ``_free_pinned`` or, when the
-    # buffer is simply dropped, when its memory is freed (a registration left on freed memory made the next
-    # buffer the allocator placed there fail).
+    # unrelated later call. So each buffer is an anonymous mapping of its own (page-aligned, so torch sees its
+    # storage as pinned, and no page is shared with another allocation), registered for exactly as long as its
+    # storage lives: the mapping unregisters itself when the last view of it is freed, before it is unmapped (a
+    # registration left on freed memory made the next buffer placed there fail).
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    span = -(-nbytes // _PAGE) * _PAGE
-    raw = torch.empty(span + _PAGE, dtype=torch.uint8)
-    window = raw[(-raw.data_ptr()) % _PAGE :][:span]
-    ptr = window.data_ptr()
-    if int(torch.cuda.cudart().cudaHostRegister(ptr, span, 0)) != 0:
+    mapping = _HostMapping(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    if int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), len(mapping), 0)) != 0:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
-    _REGISTERED[ptr] = weakref.finalize(raw, _unregister, ptr)
-    return window[:nbytes].view(dtype)
+    mapping.registered = raw.data_ptr()
+    return raw[:nbytes].view(dtype)
 
 
-_PAGE = mmap.PAGESIZE
-_REGISTERED: dict[int, weakref.finalize] = {}  # registered address -> the finalizer that unregisters it
+class _HostMapping(mmap.mmap):
+    """Anonymous host memory, unregistered from CUDA when freed (see [Note: host registration])."""
 
+    registered = 0  # the registered address, once registered
 
-def _unregister(ptr: int) -> None:
-    _REGISTERED.pop(ptr, None)
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    def __del__(self) -> None:  # runs before mmap's own deallocation unmaps the memory
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -109,13 +107,6 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _COPY_STREAMS:
         _COPY_STREAMS[device] = torch.cuda.Stream(device)
     return _COPY_STREAMS[device]
-
-
-def _free_pinned(t: torch.Tensor) -> None:
-    """Unregister a buffer of ``_alloc`` now, before it is dropped (see [Note: host registration])."""
-    finalizer = _REGISTERED.get(t.data_ptr()) if t.numel() else None
-    if finalizer is not None:
-        finalizer()
 
 
 class Chunk:
@@ -232,7 +223,6 @@ class Chunk:
         if self.optim_location == DEVICE:  # the fp32 gradient is allocated when first needed (``_fold``)
             if self.io is not None:
                 self.tracker.add(HOST, "io", -self._bytes(self.io))
-                _free_pinned(self.io)
                 self.io = None
         elif self.io is None:
             self.io = _alloc(self.shard_size, self.dtype, torch.device("cpu"), self.pin)
