@@ -2,6 +2,7 @@
 
 from importlib.metadata import version as _version
 
+from cai.shardformer._config import SUPPORT_SP_MODE, ShardConfig
 from cai.shardformer._embedding import (
     Embedding1D,
     VocabParallelEmbedding1D,
@@ -18,15 +19,23 @@ from cai.shardformer._ops import (
     reduce_scatter_seq,
     scatter_to_tp_region,
 )
+from cai.shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
+from cai.shardformer._shardformer import ShardFormer, shard_model
 
 __version__ = _version("cai-shardformer")
 
 __all__ = [
+    "SUPPORT_SP_MODE",
     "Embedding1D",
     "FusedLinear1D_Col",
     "Linear1D_Col",
     "Linear1D_Row",
+    "ModulePolicyDescription",
     "ParallelModule",
+    "Policy",
+    "ShardConfig",
+    "ShardFormer",
+    "SubModuleReplacementDescription",
     "VocabParallelEmbedding1D",
     "VocabParallelLMHead1D",
     "__version__",
@@ -37,5 +46,6 @@ __all__ = [
     "reduce_grad",
     "reduce_scatter_seq",
     "scatter_to_tp_region",
+    "shard_model",
     "vocab_parallel_cross_entropy",
 ]
