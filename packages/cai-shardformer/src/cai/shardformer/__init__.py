@@ -21,6 +21,7 @@ from cai.shardformer._ops import (
 )
 from cai.shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from cai.shardformer._shardformer import ShardFormer, shard_model
+from cai.shardformer._state import load_sharded_state_dict, sharded_state_dict
 
 __version__ = _version("cai-shardformer")
 
@@ -42,10 +43,12 @@ __all__ = [
     "copy_to_tp_region",
     "gather_from_tp_region",
     "gather_seq",
+    "load_sharded_state_dict",
     "reduce_from_tp_region",
     "reduce_grad",
     "reduce_scatter_seq",
     "scatter_to_tp_region",
     "shard_model",
+    "sharded_state_dict",
     "vocab_parallel_cross_entropy",
 ]

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cai.shardformer._config import ShardConfig
 from cai.shardformer._policy import Policy, apply_module_policy
+from cai.shardformer._state import enable_state_protocol
 from cai.shardformer.policies.auto_policy import get_autopolicy
 
 
@@ -45,6 +46,8 @@ class ShardFormer:
             patch_hf_model(model, rms_norm=True, swiglu=False, rope=False, fused_loss=False)
         apply_module_policy(model, policy.module_policy(), cfg)
         model = policy.postprocess()
+        if cfg.tensor_parallel_size > 1:
+            enable_state_protocol(model)  # so cai-ckpt saves the Hugging Face layout from the shards
         return model, shared_params
 
 
