@@ -8,11 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 
 from cai.mesh.testing import CollectiveCounter, assert_close, run_distributed
 from cai.shardformer import ParallelModule, ShardConfig, ShardFormer, shard_model
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 251  # divides by neither 2 nor 4: the vocabulary is padded
 B, S, H, LAYERS = 2, 8, 64, 2
@@ -24,6 +23,7 @@ class Case:
     tp: int
     entry: str = "shardformer"  # or "shard_model" (the plain-torch entry point on a DeviceMesh)
     kv_heads: int = 2
+    tie: bool = False  # lm_head shares the embedding's weight
 
 
 def _tiny(family: str, kv_heads: int = 2, heads: int = 4, tie: bool = False):
@@ -53,9 +53,12 @@ def _tiny(family: str, kv_heads: int = 2, heads: int = 4, tie: bool = False):
 def gathered(model, grads: bool = False) -> dict:
     """Every parameter (or its gradient) as the full unpadded tensor, by its original name."""
     out = {}
+    names = dict(model.named_parameters())  # a tied weight once, under its first name
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             key = f"{mname}.{pname}" if mname else pname
+            if key not in names:
+                continue
             local = p.grad if grads else p
             if isinstance(module, ParallelModule):
                 out[key] = module.full_tensor(pname, local)
@@ -74,7 +77,7 @@ def _close(actual: dict, expected: dict, name: str) -> None:
 
 
 def _train(case: Case):
-    ref = _tiny(case.family, case.kv_heads)
+    ref = _tiny(case.family, case.kv_heads, tie=case.tie)
     model = copy.deepcopy(ref)
     if case.entry == "shard_model":
         from torch.distributed.device_mesh import init_device_mesh
@@ -84,6 +87,8 @@ def _train(case: Case):
         model, shared = ShardFormer(ShardConfig()).optimize(model)
         assert shared == []
     assert set(model.state_dict()) == set(ref.state_dict())  # the Hugging Face keys
+    if case.tie:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
     # Adam divides by |g| + eps: a gradient within rounding of zero has that rounding amplified by up to
     # lr / eps in the update. eps=1e-4 (not 1e-8; as the checkpoint layout tests) keeps that under the
     # tolerance; the step is otherwise Adam's.
@@ -122,6 +127,7 @@ def _train(case: Case):
 CASES = [
     Case("llama", 2),
     Case("llama", 4),  # 2 kv heads on 4 ranks: replicated
+    Case("llama", 2, tie=True),
     Case("qwen2", 2, entry="shard_model"),
     Case("qwen2", 4),
     Case("mistral", 2),
@@ -130,7 +136,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.family}-tp{c.tp}-kv{c.kv_heads}-{c.entry}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c.family}-tp{c.tp}-kv{c.kv_heads}-{c.entry}" + ("-tied" if c.tie else "")
+)
 def test_training_matches_unsharded(case):
     run_distributed(_train, case.tp, case, timeout=300)
 

@@ -4,14 +4,12 @@ back into one process (cai-ckpt and `from_pretrained`) and into a freshly sharde
 import importlib.util
 import pathlib
 
-import pytest
 import torch
+import transformers
 
+import cai.ckpt as ckpt
 from cai.mesh.testing import assert_close, run_distributed
 from cai.shardformer import ShardConfig, ShardFormer
-
-transformers = pytest.importorskip("transformers")
-ckpt = pytest.importorskip("cai.ckpt")
 
 # The tiny models and the gathering helper of the policy tests.
 _spec = importlib.util.spec_from_file_location(
