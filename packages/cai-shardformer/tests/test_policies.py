@@ -24,6 +24,8 @@ class Case:
     entry: str = "shardformer"  # or "shard_model" (the plain-torch entry point on a DeviceMesh)
     kv_heads: int = 2
     tie: bool = False  # lm_head shares the embedding's weight
+    parallel_output: bool = True  # False: gathered logits and the model's own loss
+    fused_norm: bool = False  # enable_fused_normalization: cai-kernels' RMSNorm
 
 
 def _tiny(family: str, kv_heads: int = 2, heads: int = 4, tie: bool = False):
@@ -84,11 +86,16 @@ def _train(case: Case):
 
         shard_model(model, init_device_mesh("cpu", (case.tp,), mesh_dim_names=("tp",)))
     else:
-        model, shared = ShardFormer(ShardConfig()).optimize(model)
+        cfg = ShardConfig(parallel_output=case.parallel_output, enable_fused_normalization=case.fused_norm)
+        model, shared = ShardFormer(cfg).optimize(model)
         assert shared == []
     assert set(model.state_dict()) == set(ref.state_dict())  # the Hugging Face keys
     if case.tie:
         assert model.lm_head.weight is model.model.embed_tokens.weight
+    if case.fused_norm:
+        from cai.kernels import RMSNorm
+
+        assert isinstance(model.model.norm, RMSNorm)
     # Adam divides by |g| + eps: a gradient within rounding of zero has that rounding amplified by up to
     # lr / eps in the update. eps=1e-4 (not 1e-8; as the checkpoint layout tests) keeps that under the
     # tolerance; the step is otherwise Adam's.
@@ -104,7 +111,10 @@ def _train(case: Case):
         ref_loss = ref(input_ids=ids, labels=labels).loss
         ref_loss.backward()
         out = model(input_ids=ids, labels=labels)
-        assert out.logits is None  # the loss came from the hidden states: no logits were built
+        if case.parallel_output:
+            assert out.logits is None  # the loss came from the hidden states: no logits were built
+        else:
+            assert out.logits.shape == (B, S, VOCAB)
         out.loss.backward()
         assert_close(out.loss, ref_loss, rtol=1e-5, name=f"step {step} loss")
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -128,6 +138,8 @@ CASES = [
     Case("llama", 2),
     Case("llama", 4),  # 2 kv heads on 4 ranks: replicated
     Case("llama", 2, tie=True),
+    Case("llama", 2, parallel_output=False),
+    Case("llama", 2, fused_norm=True),
     Case("qwen2", 2, entry="shard_model"),
     Case("qwen2", 4),
     Case("mistral", 2),
@@ -137,7 +149,14 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    "case", CASES, ids=lambda c: f"{c.family}-tp{c.tp}-kv{c.kv_heads}-{c.entry}" + ("-tied" if c.tie else "")
+    "case",
+    CASES,
+    ids=lambda c: (
+        f"{c.family}-tp{c.tp}-kv{c.kv_heads}-{c.entry}"
+        + ("-tied" if c.tie else "")
+        + ("-gathered_logits" if not c.parallel_output else "")
+        + ("-fused_norm" if c.fused_norm else "")
+    ),
 )
 def test_training_matches_unsharded(case):
     run_distributed(_train, case.tp, case, timeout=300)
