@@ -24,8 +24,9 @@ class ShardConfig:
         enable_fused_normalization: RMSNorm modules become cai-kernels' `RMSNorm` (same weights).
         enable_sequence_parallelism / sequence_parallelism_mode: one of `SUPPORT_SP_MODE`; the mode defaults to
             "split_gather" when sequence parallelism is on. Validated here; the policies do not apply it yet.
-        enable_flash_attention, enable_jit_fused, enable_all_optimization: accepted for compatibility; attention
-            runs through the model's own attention implementation (SDPA by default in transformers).
+        enable_all_optimization: turns on the fused normalization (the only optimization built).
+        enable_flash_attention, enable_jit_fused: accepted for compatibility, no effect; attention runs through
+            the model's own attention implementation (SDPA by default in transformers).
         The remaining fields (pipeline_stage_manager, gradient_checkpoint_config, sp_axis, pg_mesh,
         inner_ring_size, moe_dp_group, ep_group, fp8_communication, extra_kwargs) are accepted; `optimize`
         rejects the ones whose feature is not built yet, naming them.
