@@ -1,7 +1,54 @@
-"""cai-shardformer: Tensor and sequence parallel layers and per-architecture policies for Hugging Face models."""
+"""cai-shardformer: tensor-parallel layers, autograd collectives and per-architecture policies for Hugging Face models."""
 
 from importlib.metadata import version as _version
 
+from cai.shardformer._config import SUPPORT_SP_MODE, ShardConfig
+from cai.shardformer._embedding import (
+    Embedding1D,
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+    vocab_parallel_cross_entropy,
+)
+from cai.shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row, ParallelModule
+from cai.shardformer._ops import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    gather_seq,
+    reduce_from_tp_region,
+    reduce_grad,
+    reduce_scatter_seq,
+    scatter_to_tp_region,
+)
+from cai.shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
+from cai.shardformer._shardformer import ShardFormer, shard_model
+from cai.shardformer._state import load_sharded_state_dict, sharded_state_dict
+
 __version__ = _version("cai-shardformer")
 
-__all__ = ["__version__"]
+__all__ = [
+    "SUPPORT_SP_MODE",
+    "Embedding1D",
+    "FusedLinear1D_Col",
+    "Linear1D_Col",
+    "Linear1D_Row",
+    "ModulePolicyDescription",
+    "ParallelModule",
+    "Policy",
+    "ShardConfig",
+    "ShardFormer",
+    "SubModuleReplacementDescription",
+    "VocabParallelEmbedding1D",
+    "VocabParallelLMHead1D",
+    "__version__",
+    "copy_to_tp_region",
+    "gather_from_tp_region",
+    "gather_seq",
+    "load_sharded_state_dict",
+    "reduce_from_tp_region",
+    "reduce_grad",
+    "reduce_scatter_seq",
+    "scatter_to_tp_region",
+    "shard_model",
+    "sharded_state_dict",
+    "vocab_parallel_cross_entropy",
+]

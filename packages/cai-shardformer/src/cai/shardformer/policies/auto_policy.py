@@ -1,0 +1,28 @@
+"""Which policy shards which Hugging Face model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from cai.shardformer._policy import Policy
+
+# Hugging Face class name -> (policy module under cai.shardformer.policies, policy class)
+_POLICY_LIST: dict[str, tuple[str, str]] = {
+    f"{family}{suffix}": (module, f"{family}{policy}")
+    for family, module in (("Llama", "llama"), ("Mistral", "mistral"), ("Qwen2", "qwen2"), ("Qwen3", "qwen3"))
+    for suffix, policy in (("Model", "ModelPolicy"), ("ForCausalLM", "ForCausalLMPolicy"))
+}
+
+
+def get_autopolicy(model: nn.Module) -> Policy:
+    """A fresh policy instance for `model`'s class."""
+    name = type(model).__name__
+    if name not in _POLICY_LIST:
+        raise NotImplementedError(
+            f"no cai-shardformer policy for {name}; policies exist for {sorted(_POLICY_LIST)}. Pass policy= "
+            f"(a Policy subclass instance) to shard it"
+        )
+    module, cls = _POLICY_LIST[name]
+    return getattr(importlib.import_module(f"cai.shardformer.policies.{module}"), cls)()

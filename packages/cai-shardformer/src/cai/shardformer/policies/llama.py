@@ -1,0 +1,167 @@
+"""Policies of the Llama-shaped decoders (Llama, and by family prefix Mistral, Qwen2, Qwen3): attention
+q/k/v column-parallel by heads, o row-parallel; MLP gate/up column, down row; embedding and lm_head
+vocab-parallel; the causal-LM loss vocab-parallel through the model's `loss_function` hook."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch.nn.functional as F
+from torch import nn
+
+from cai.shardformer._embedding import (
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+    vocab_parallel_cross_entropy,
+)
+from cai.shardformer._layout import padded_vocab
+from cai.shardformer._linear import Linear1D_Col, Linear1D_Row
+from cai.shardformer._policy import ModulePolicyDescription, Policy
+from cai.shardformer._policy import SubModuleReplacementDescription as Sub
+
+__all__ = ["LlamaForCausalLMPolicy", "LlamaModelPolicy", "LlamaPolicy"]
+
+
+class LlamaPolicy(Policy):
+    """The decoder layers and the embedding. `family` is the Hugging Face class-name prefix."""
+
+    family = "Llama"
+
+    def config_sanity_check(self) -> None:
+        tp = self.shard_config.tensor_parallel_size
+        cfg = self.model.config
+        nh = cfg.num_attention_heads
+        nkv = getattr(cfg, "num_key_value_heads", None) or nh
+        name = type(self.model).__name__
+        if nh % tp:
+            raise ValueError(
+                f"{name}: num_attention_heads={nh} does not divide over tensor_parallel_size={tp}; use a tp size "
+                f"that divides {nh}"
+            )
+        if nkv % tp and tp % nkv:
+            raise ValueError(
+                f"{name}: num_key_value_heads={nkv} neither divides nor is divided by tensor_parallel_size={tp}; "
+                f"use a tp size that divides {nkv} or is a multiple of it (kv heads are then replicated)"
+            )
+        if cfg.intermediate_size % tp:
+            raise ValueError(
+                f"{name}: intermediate_size={cfg.intermediate_size} does not divide over tensor_parallel_size={tp}"
+            )
+        padded_vocab(
+            cfg.vocab_size, tp, self.shard_config.make_vocab_size_divisible_by
+        )  # raises with the fix
+
+    def preprocess(self) -> nn.Module:
+        out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        self._tied = out is not None and out.weight is inp.weight
+        return self.model
+
+    def module_policy(self) -> dict[Any, ModulePolicyDescription]:
+        tp = self.shard_config.tensor_parallel_size
+        if tp == 1:
+            return {}
+        cfg = self.model.config
+        nh = cfg.num_attention_heads
+        nkv = getattr(cfg, "num_key_value_heads", None) or nh
+        local_q = nh // tp
+        local_kv = max(nkv // tp, 1)  # one replicated kv head per rank when kv heads < tp
+        col = {"reduce_input_grad": False}  # see [Note: one all-reduce per region]
+        vocab = {"make_vocab_size_divisible_by": self.shard_config.make_vocab_size_divisible_by}
+        return {
+            f"{self.family}DecoderLayer": ModulePolicyDescription(
+                attribute_replacement={"self_attn.num_key_value_groups": local_q // local_kv},
+                sub_module_replacement=[
+                    Sub("self_attn.q_proj", Linear1D_Col, {**col, "num_heads": nh}),
+                    Sub("self_attn.k_proj", Linear1D_Col, {**col, "num_heads": nkv}),
+                    Sub("self_attn.v_proj", Linear1D_Col, {**col, "num_heads": nkv}),
+                    Sub("self_attn.o_proj", Linear1D_Row, {"num_heads": nh}),
+                    Sub("mlp.gate_proj", Linear1D_Col, col),
+                    Sub("mlp.up_proj", Linear1D_Col, col),
+                    Sub("mlp.down_proj", Linear1D_Row),
+                ],
+                tp_input_regions=["self_attn", "mlp"],
+            ),
+            f"{self.family}Model": ModulePolicyDescription(
+                sub_module_replacement=[Sub("embed_tokens", VocabParallelEmbedding1D, vocab)]
+            ),
+        }
+
+    def postprocess(self) -> nn.Module:
+        if self._tied:
+            self.model.get_output_embeddings().weight = self.model.get_input_embeddings().weight
+        return self.model
+
+
+class LlamaModelPolicy(LlamaPolicy):
+    pass
+
+
+class LlamaForCausalLMPolicy(LlamaPolicy):
+    """Adds the vocab-parallel lm_head. With `parallel_output=True` (the default) a training forward with
+    `labels` computes the loss from the hidden states (see `install_vocab_parallel_loss`) and returns no logits;
+    otherwise the logits are gathered over the real vocabulary."""
+
+    def module_policy(self) -> dict[Any, ModulePolicyDescription]:
+        policy = super().module_policy()
+        if not policy:
+            return policy
+        head = Sub(
+            "lm_head", VocabParallelLMHead1D,
+            {"gather_output": True, "make_vocab_size_divisible_by": self.shard_config.make_vocab_size_divisible_by},
+        )  # fmt: skip
+        return self.append_or_create_submodule_replacement(head, policy, f"{self.family}ForCausalLM")
+
+    def postprocess(self) -> nn.Module:
+        model = super().postprocess()
+        head = model.get_output_embeddings()
+        if isinstance(head, VocabParallelLMHead1D) and self.shard_config.parallel_output:
+            install_vocab_parallel_loss(model, head)
+        return model
+
+
+def install_vocab_parallel_loss(model: nn.Module, head: VocabParallelLMHead1D) -> None:
+    """Route a Hugging Face causal LM's loss through `vocab_parallel_cross_entropy`.
+
+    In a training-mode forward with `labels`, the head returns its input (`head.defer`), the model hands it to
+    `loss_function` in the logits slot, and the wrapper computes the loss from those hidden states, labels
+    shifted as Hugging Face's ForCausalLMLoss does (tokens < n predict n) and `num_items_in_batch` honoured.
+    The output's `logits` is then None. Eval mode or no labels: unchanged (gathered logits)."""
+    original = model.loss_function
+    signature = inspect.signature(model.forward)
+
+    def labels_of(args, kwargs):
+        return signature.bind_partial(*args, **kwargs).arguments.get("labels")
+
+    def loss_function(
+        logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw
+    ):
+        if not head.defer:
+            return original(
+                logits=logits, labels=labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index, shift_labels=shift_labels, **kw,
+            )  # fmt: skip
+        head.defer = False
+        hidden = logits  # (B, T, H): the deferred head returned its input
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        loss = vocab_parallel_cross_entropy(
+            hidden, head, shift_labels.to(hidden.device), ignore_index=ignore_index, reduction=reduction
+        )
+        return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+    def pre_hook(module, args, kwargs):
+        head.defer = module.training and labels_of(args, kwargs) is not None
+
+    def post_hook(module, args, kwargs, output):
+        if not module.training or labels_of(args, kwargs) is None:
+            return output
+        head.defer = False
+        if isinstance(output, tuple):
+            return output
+        return type(output)(**{k: v for k, v in output.items() if k != "logits"})
+
+    model.loss_function = loss_function
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    model.register_forward_hook(post_hook, with_kwargs=True)
