@@ -9,7 +9,7 @@ from importlib.metadata import version as _version
 
 from cai.kernels._dispatch import kernel_report
 from cai.kernels._fused_ce import fused_linear_cross_entropy
-from cai.kernels._hf import FusedLMHead, patch_hf_model
+from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, patch_hf_model
 from cai.kernels._norm import LayerNorm, RMSNorm, layer_norm, rms_norm
 from cai.kernels._rope import apply_rotary_pos_emb
 from cai.kernels._swiglu import SwiGLUMLP, swiglu
@@ -23,6 +23,7 @@ __all__ = [
     "SwiGLUMLP",
     "__version__",
     "apply_rotary_pos_emb",
+    "defer_lm_head_loss",
     "fused_linear_cross_entropy",
     "kernel_report",
     "layer_norm",

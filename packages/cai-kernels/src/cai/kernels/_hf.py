@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,24 @@ def _patch_rope(model: nn.Module) -> list[str]:
     return patched
 
 
-def _causal_lm_loss(head: FusedLMHead, original):
+def defer_lm_head_loss(
+    model: nn.Module,
+    head: nn.Module,
+    loss: Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor],
+) -> None:
+    """Compute a Hugging Face causal LM's training loss from the hidden states, never building the logits.
+
+    ``head`` is the model's lm_head and has a ``defer`` flag: while it is set, its forward returns its input. For a
+    training-mode forward with ``labels``, a hook sets it, the model hands the hidden states to its
+    ``loss_function`` in the logits slot, and the wrapper installed here calls
+    ``loss(hidden, shifted_labels, ignore_index, reduction)`` (labels shifted as Hugging Face's ForCausalLMLoss does,
+    tokens < n predicting n; ``num_items_in_batch`` honoured); the output's ``logits`` is then None. In eval mode or
+    without labels everything is unchanged. cai-kernels' fused linear cross-entropy and cai-shardformer's
+    vocab-parallel one both come in this way.
+    """
+    original = model.loss_function
+    signature = inspect.signature(model.forward)
+
     def loss_function(
         logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw
     ):
@@ -119,27 +137,8 @@ def _causal_lm_loss(head: FusedLMHead, original):
         if shift_labels is None:  # tokens < n predict n, as Hugging Face's ForCausalLMLoss
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        loss = fused_linear_cross_entropy(
-            hidden, head.weight, shift_labels.to(hidden.device), bias=head.bias, ignore_index=ignore_index,
-            reduction=reduction,
-        )  # fmt: skip
-        if num_items_in_batch is not None:
-            loss = loss / num_items_in_batch
-        return loss
-
-    return loss_function
-
-
-def _patch_loss(model: nn.Module) -> bool:
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function"):
-        return False
-    if isinstance(head, FusedLMHead):  # already patched: the loss wrapper and hooks are in place
-        return True
-    head = FusedLMHead.take_over(head)
-    model.lm_head = head
-    model.loss_function = _causal_lm_loss(head, model.loss_function)
-    signature = inspect.signature(model.forward)
+        out = loss(hidden, shift_labels.to(hidden.device), ignore_index, reduction)
+        return out / num_items_in_batch if num_items_in_batch is not None else out
 
     def pre_hook(module, args, kwargs):
         labels = signature.bind_partial(*args, **kwargs).arguments.get("labels")
@@ -157,8 +156,26 @@ def _patch_loss(model: nn.Module) -> bool:
             return output
         return type(output)(**{k: v for k, v in output.items() if k != "logits"})
 
+    model.loss_function = loss_function
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)
     model.register_forward_hook(post_hook, with_kwargs=True)
+
+
+def _patch_loss(model: nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function"):
+        return False
+    if isinstance(head, FusedLMHead):  # already patched: the loss wrapper and hooks are in place
+        return True
+    head = FusedLMHead.take_over(head)
+    model.lm_head = head
+    defer_lm_head_loss(
+        model,
+        head,
+        lambda hidden, labels, ignore_index, reduction: fused_linear_cross_entropy(
+            hidden, head.weight, labels, bias=head.bias, ignore_index=ignore_index, reduction=reduction
+        ),
+    )
     return True
 
 

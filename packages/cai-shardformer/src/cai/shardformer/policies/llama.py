@@ -4,12 +4,11 @@ vocab-parallel; the causal-LM loss vocab-parallel through the model's `loss_func
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-import torch.nn.functional as F
 from torch import nn
 
+from cai.kernels import defer_lm_head_loss
 from cai.shardformer._embedding import (
     VocabParallelEmbedding1D,
     VocabParallelLMHead1D,
@@ -121,47 +120,12 @@ class LlamaForCausalLMPolicy(LlamaPolicy):
 
 
 def install_vocab_parallel_loss(model: nn.Module, head: VocabParallelLMHead1D) -> None:
-    """Route a Hugging Face causal LM's loss through `vocab_parallel_cross_entropy`.
-
-    In a training-mode forward with `labels`, the head returns its input (`head.defer`), the model hands it to
-    `loss_function` in the logits slot, and the wrapper computes the loss from those hidden states, labels
-    shifted as Hugging Face's ForCausalLMLoss does (tokens < n predict n) and `num_items_in_batch` honoured.
-    The output's `logits` is then None. Eval mode or no labels: unchanged (gathered logits)."""
-    original = model.loss_function
-    signature = inspect.signature(model.forward)
-
-    def labels_of(args, kwargs):
-        return signature.bind_partial(*args, **kwargs).arguments.get("labels")
-
-    def loss_function(
-        logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw
-    ):
-        if not head.defer:
-            return original(
-                logits=logits, labels=labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
-                ignore_index=ignore_index, shift_labels=shift_labels, **kw,
-            )  # fmt: skip
-        head.defer = False
-        hidden = logits  # (B, T, H): the deferred head returned its input
-        if shift_labels is None:
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        reduction = "sum" if num_items_in_batch is not None else "mean"
-        loss = vocab_parallel_cross_entropy(
-            hidden, head, shift_labels.to(hidden.device), ignore_index=ignore_index, reduction=reduction
-        )
-        return loss / num_items_in_batch if num_items_in_batch is not None else loss
-
-    def pre_hook(module, args, kwargs):
-        head.defer = module.training and labels_of(args, kwargs) is not None
-
-    def post_hook(module, args, kwargs, output):
-        if not module.training or labels_of(args, kwargs) is None:
-            return output
-        head.defer = False
-        if isinstance(output, tuple):
-            return output
-        return type(output)(**{k: v for k, v in output.items() if k != "logits"})
-
-    model.loss_function = loss_function
-    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    model.register_forward_hook(post_hook, with_kwargs=True)
+    """Route a Hugging Face causal LM's training loss through `vocab_parallel_cross_entropy` (cai-kernels'
+    `defer_lm_head_loss` says how: the head defers, the loss reads the hidden states; `logits` is then None)."""
+    defer_lm_head_loss(
+        model,
+        head,
+        lambda hidden, labels, ignore_index, reduction: vocab_parallel_cross_entropy(
+            hidden, head, labels, ignore_index=ignore_index, reduction=reduction
+        ),
+    )
