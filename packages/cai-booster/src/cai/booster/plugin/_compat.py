@@ -85,18 +85,21 @@ def _bucket_mb(in_m: float) -> float:
     return in_m * 4
 
 
+# The dynamic loss scaler's arguments, the same names in both plugins and in the scaler's config.
+_LOSS_SCALE = {
+    name: Mapped(f"loss_scale.{name}")
+    for name in (
+        "initial_scale", "min_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+        "max_scale",
+    )
+}  # fmt: skip
+
 LOW_LEVEL_ZERO_ARGS = PluginArgs(
     owner="LowLevelZeroPlugin",
     mapped={
         "stage": Mapped("zero.stage"),
         "precision": Mapped("precision"),
-        "initial_scale": Mapped("loss_scale.initial_scale"),
-        "min_scale": Mapped("loss_scale.min_scale"),
-        "growth_factor": Mapped("loss_scale.growth_factor"),
-        "backoff_factor": Mapped("loss_scale.backoff_factor"),
-        "growth_interval": Mapped("loss_scale.growth_interval"),
-        "hysteresis": Mapped("loss_scale.hysteresis"),
-        "max_scale": Mapped("loss_scale.max_scale"),
+        **_LOSS_SCALE,
         "max_norm": Mapped("zero.max_norm"),
         "reduce_bucket_size_in_m": Mapped(
             "zero.bucket_size_mb", _bucket_mb, _positive("millions of elements per gradient bucket", 12)
@@ -162,13 +165,7 @@ GEMINI_ARGS = PluginArgs(
         "search_range_m": Mapped("chunk.search_range_m"),
         "hidden_dim": Mapped("chunk.hidden_dim"),
         "min_chunk_size_m": Mapped("chunk.min_chunk_size_m"),
-        "initial_scale": Mapped("loss_scale.initial_scale"),
-        "min_scale": Mapped("loss_scale.min_scale"),
-        "growth_factor": Mapped("loss_scale.growth_factor"),
-        "backoff_factor": Mapped("loss_scale.backoff_factor"),
-        "growth_interval": Mapped("loss_scale.growth_interval"),
-        "hysteresis": Mapped("loss_scale.hysteresis"),
-        "max_scale": Mapped("loss_scale.max_scale"),
+        **_LOSS_SCALE,
         "max_norm": Mapped("max_norm"),
         "norm_type": Mapped("norm_type"),
         # cai's own: update host-resident chunks during backward (see GeminiConfig.overlap_host_step).
