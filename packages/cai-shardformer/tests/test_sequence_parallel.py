@@ -3,16 +3,17 @@
 transformer layer counted; the activations a layer saves measured; configuration errors at optimize()."""
 
 import copy
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from torch import nn
 
 from cai.mesh.testing import CollectiveCounter, assert_close, run_distributed
 from cai.shardformer import ParallelModule, ShardConfig, ShardFormer
+from cai.shardformer.policies.llama import LlamaForCausalLMPolicy
 
 VOCAB = 251  # padded at tp 2 and 4
 B, S, H, LAYERS, HEADS = 2, 16, 64, 2, 4  # S = 16: 8 tokens per rank at sp 2, 4 at sp 4
@@ -51,7 +52,9 @@ def _gathered(model, grads: bool = False) -> dict:
         for pname, p in module.named_parameters(recurse=False):
             local = p.grad if grads else p
             key = f"{mname}.{pname}" if mname else pname
-            out[key] = module.full_tensor(pname, local) if isinstance(module, ParallelModule) else local.detach()
+            out[key] = (
+                module.full_tensor(pname, local) if isinstance(module, ParallelModule) else local.detach()
+            )
     return out
 
 
@@ -90,10 +93,14 @@ def _train(case: Case) -> None:
     # No labels: the gathered final hidden states give the full logits, as the unsharded model.
     with torch.no_grad():
         ids = torch.randint(0, VOCAB, (B, S), generator=g)
-        assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6, name="logits")
+        assert_close(
+            model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6, name="logits"
+        )
     # A length that does not divide by sp is refused with the fix, not padded silently.
     tp = dist.get_world_size()
-    with pytest.raises(ValueError, match=rf"sequence length {S + 1} does not divide over the {tp} ranks.*pad"):
+    with pytest.raises(
+        ValueError, match=rf"sequence length {S + 1} does not divide over the {tp} ranks.*pad"
+    ):
         model(input_ids=torch.randint(0, VOCAB, (B, S + 1)))
 
 
@@ -109,3 +116,176 @@ MATRIX = [Case(family, mode) for family in ("llama", "qwen3") for mode in ("spli
 def test_sequence_parallel_matches_unsharded(sp):
     """Both modes on Llama and Qwen3 at sp (= tp) 2 and 4, one process group per size for the whole matrix."""
     run_distributed(_matrix, sp, MATRIX, timeout=300)
+
+
+def _collectives(mode: str | None):
+    """The collectives of one training forward and backward, as (op, bytes, group size) -> count."""
+    model, _ = ShardFormer(_sp(mode)).optimize(_tiny("llama", kv_heads=dist.get_world_size()))
+    ids = torch.randint(0, VOCAB, (B, S))
+    with CollectiveCounter() as fwd:
+        loss = model(input_ids=ids, labels=ids).loss
+    with CollectiveCounter() as bwd:
+        loss.backward()
+    count = lambda events: Counter((e.op, e.nbytes) for e in events)  # noqa: E731
+    assert all(e.group_ranks == tuple(range(dist.get_world_size())) for e in fwd.events + bwd.events)
+    return count(fwd.events), count(bwd.events)
+
+
+def _collectives_all() -> dict:
+    return {mode: _collectives(mode) for mode in (None, "split_gather", "ring")}
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_collectives_per_layer(sp):
+    """Per transformer layer (L layers), with BSH = b x s x h fp32 bytes:
+    plain TP: 2 all-reduces of BSH forward, 2 backward.
+    split_gather: forward 2 all-gathers + 2 reduce-scatters of BSH (an all-reduce is a reduce-scatter then an
+    all-gather: the same bytes); backward their mirrors (2 reduce-scatters + 2 all-gathers) plus 2 all-gathers
+    that re-gather the attention and MLP inputs for the weight gradients (Megatron's, the price of keeping
+    1/sp of them), and the 2 norm weights' gradient all-reduces (h floats).
+    ring: point-to-point chunks of BSH / sp, sp - 1 per ring: forward one gather ring per column layer
+    (q, k, v, gate, up) and one reduce-scatter ring per row layer (o, down) = 7 (sp - 1) sends; backward 2 rings
+    per column layer and 1 per row layer = 12 (sp - 1) sends; the 2 norm all-reduces.
+    Outside the layers, every mode has the embedding's all-reduce and the loss's all-reduces (forward); the SP
+    modes add the final hidden states' all-gather (forward), the split's gradient all-gather and the final
+    norm's gradient all-reduce (backward)."""
+    got = run_distributed(_collectives_all, sp)[0]
+    bsh, L, chunk, norm = B * S * H * 4, LAYERS, B * S * H * 4 // sp, H * 4
+    loss = {("all_reduce", 8): 1, ("all_reduce", B * S * 4): 1, ("all_reduce", 3 * B * S * 4): 1}
+    fwd, bwd = got[None]
+    assert fwd == Counter({("all_reduce", bsh): 2 * L + 2, **loss}), fwd
+    assert bwd == Counter({("all_reduce", bsh): 2 * L}), bwd
+    fwd, bwd = got["split_gather"]
+    assert fwd == Counter(
+        {("all_gather_into_tensor", bsh): 2 * L + 1, ("reduce_scatter_tensor", bsh): 2 * L,
+         ("all_reduce", bsh): 2, **loss}
+    ), fwd  # fmt: skip
+    assert bwd == Counter(
+        {("reduce_scatter_tensor", bsh): 2 * L, ("all_gather_into_tensor", bsh): 2 * L + 2 * L + 1,
+         ("all_reduce", norm): 2 * L + 1}
+    ), bwd  # fmt: skip
+    fwd, bwd = got["ring"]
+    assert fwd == Counter(
+        {("isend", chunk): 7 * L * (sp - 1), ("irecv", chunk): 7 * L * (sp - 1),
+         ("all_gather_into_tensor", bsh): 1, ("all_reduce", bsh): 2, **loss}
+    ), fwd  # fmt: skip
+    assert bwd == Counter(
+        {("isend", chunk): 12 * L * (sp - 1), ("irecv", chunk): 12 * L * (sp - 1),
+         ("all_gather_into_tensor", bsh): 1, ("all_reduce", norm): 2 * L + 1}
+    ), bwd  # fmt: skip
+
+
+def _saved_by_layer(mode: str | None) -> dict[str, int]:
+    """Bytes of the activations the first decoder layer saves for backward (parameters excluded, each storage
+    once), split into those saved inside its attention and MLP blocks (the tp regions) and outside them."""
+    model, _ = ShardFormer(_sp(mode)).optimize(_tiny("llama", kv_heads=dist.get_world_size()))
+    layer = model.model.layers[0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    where = ["outside"]
+    saved = {"outside": 0, "inside": 0}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            saved[where[-1]] += t.untyped_storage().nbytes()
+        return t
+
+    probe = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def enter(*_):
+        probe.__enter__()
+
+    def leave(*_):
+        probe.__exit__(None, None, None)
+
+    def inside(*_):
+        where.append("inside")
+
+    def outside(*_):
+        where.pop()
+
+    layer.register_forward_pre_hook(enter)
+    layer.register_forward_hook(leave)
+    for block in (layer.self_attn, layer.mlp):
+        # Registered after the policy's region hooks: "inside" from the region's entry on.
+        block.register_forward_pre_hook(inside)
+        block.register_forward_hook(outside)
+    ids = torch.randint(0, VOCAB, (B, S))
+    model(input_ids=ids, labels=ids).loss.backward()  # the saved references unpack as in training
+    return saved
+
+
+def _saved_all() -> dict:
+    return {mode: _saved_by_layer(mode) for mode in (None, "split_gather", "ring")}
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_saved_activations_shrink_by_sp(sp):
+    """Plain TP keeps every activation outside the tp regions (norm inputs and statistics) at full length on every
+    rank, and inside them the attention and MLP inputs (b x s x h each, saved by the column layers); the rest of
+    a region is already split by tp. With split_gather and ring all of that replicated part is 1/sp: the layer's
+    own activations are saved on the sequence slice, and the region inputs are kept as the slice (split_gather
+    gathers it again in backward, ring passes it round again)."""
+    got = run_distributed(_saved_all, sp)[0]
+    tp = got[None]
+    inputs = 2 * B * S * H * 4  # the attention and MLP inputs
+    split_by_tp = tp["inside"] - inputs  # q, k, v, attention, MLP activations: the same in every mode
+    replicated = tp["outside"] + inputs
+    for mode in ("split_gather", "ring"):
+        assert got[mode]["outside"] * sp == tp["outside"], (mode, got)
+        assert got[mode]["inside"] == split_by_tp + inputs // sp, (mode, got)
+        assert sum(got[mode].values()) - split_by_tp == replicated // sp, (mode, got)
+
+
+class _NoSequencePolicy(LlamaForCausalLMPolicy):
+    sequence_parallel_modes = ()
+
+
+def _errors() -> dict:
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank makes each
+    alone = singles[dist.get_rank()]
+    attempts = {
+        "unknown_mode": lambda: _sp("ulysses"),
+        "tp_disabled": lambda: ShardConfig(enable_tensor_parallelism=False, enable_sequence_parallelism=True),
+        "tp_of_one": lambda: ShardFormer(
+            ShardConfig(tensor_parallel_process_group=alone, enable_sequence_parallelism=True)
+        ).optimize(_tiny("llama")),
+        "other_sp_group": lambda: ShardFormer(
+            ShardConfig(
+                sequence_parallel_process_group=alone,
+                enable_sequence_parallelism=True,
+                sequence_parallelism_mode="ring",
+            )
+        ).optimize(_tiny("llama")),
+        "policy_without_sp": lambda: ShardFormer(_sp("split_gather")).optimize(
+            _tiny("llama"), policy=_NoSequencePolicy()
+        ),
+    }
+    out = {}
+    for kind, attempt in attempts.items():
+        try:
+            attempt()
+            out[kind] = None
+        except (ValueError, NotImplementedError) as e:
+            out[kind] = (type(e).__name__, str(e))
+    return out
+
+
+ERRORS = {
+    "unknown_mode": ("ValueError", ["'ulysses'", "split_gather", "ring"]),
+    "tp_disabled": ("ValueError", ["'split_gather'", "enable_tensor_parallelism=False", "all_to_all"]),
+    "tp_of_one": ("ValueError", ["'split_gather'", "1 rank", "tensor_parallel_process_group of 2 or more"]),
+    "other_sp_group": ("ValueError", ["'ring'", "[0, 1]", "sequence_parallel_process_group=None"]),
+    "policy_without_sp": ("NotImplementedError", ["_NoSequencePolicy", "'split_gather'", "turn sequence"]),
+}
+
+
+def test_bad_configuration_fails_at_optimize_with_the_fix():
+    got = run_distributed(_errors, 2)[0]
+    for kind, (want_type, fragments) in ERRORS.items():
+        assert got[kind] is not None, f"{kind}: no error raised"
+        assert got[kind][0] == want_type, (kind, got[kind])
+        for f in fragments:
+            assert f in got[kind][1], (kind, f, got[kind][1])

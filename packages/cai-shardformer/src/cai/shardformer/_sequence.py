@@ -127,15 +127,21 @@ def split_sequence(
 # were active outside the region (activation offloading, a memory probe), or is saved as usual without any.
 class _Regather:
     def __init__(self, full: torch.Tensor, shard: torch.Tensor, dim: int, group) -> None:
-        self.storage = full.untyped_storage().data_ptr()
-        self.shard, self.dim, self.group = shard.detach(), dim, group
+        self.storage, self.device = full.untyped_storage().data_ptr(), full.device
+        self.dim, self.group = dim, group
+        # Only the innermost pair of hooks runs; the outer pair (if any) gets what this one passes on, the slice
+        # included, so an offloading hook also moves the slice.
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.shard: torch.Tensor | None = shard.detach()
+        self.kept = None  # the slice as packed for backward, on the first saved reference
         self.pending = 0  # saved references not yet unpacked in backward
         self.full: torch.Tensor | None = None
-        # Only the innermost pair of hooks runs; the outer pair (if any) is called for what this one passes on.
-        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
     def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() == self.storage and t.device == self.shard.device:
+        if t.untyped_storage().data_ptr() == self.storage and t.device == self.device:
+            if self.kept is None:
+                self.kept = self.shard if self.outer is None else self.outer[0](self.shard)
+                self.shard = None
             self.pending += 1
             return _Slice(self, t.shape, t.stride(), t.storage_offset())
         if self.outer is not None:
@@ -152,8 +158,9 @@ class _Regather:
 
     def gathered(self) -> torch.Tensor:
         if self.full is None:
+            shard = self.kept if self.outer is None else self.outer[1](self.kept)
             with torch.no_grad():
-                self.full = _gather(self.shard, self.dim, self.group)
+                self.full = _gather(shard, self.dim, self.group)
         full = self.full
         self.pending -= 1
         if self.pending <= 0:
