@@ -143,9 +143,10 @@ def test_collectives_per_layer(sp):
     all-gather: the same bytes); backward their mirrors (2 reduce-scatters + 2 all-gathers) plus 2 all-gathers
     that re-gather the attention and MLP inputs for the weight gradients (Megatron's, the price of keeping
     1/sp of them), and the 2 norm weights' gradient all-reduces (h floats).
-    ring: point-to-point chunks of BSH / sp, sp - 1 per ring: forward one gather ring per column layer
-    (q, k, v, gate, up) and one reduce-scatter ring per row layer (o, down) = 7 (sp - 1) sends; backward 2 rings
-    per column layer and 1 per row layer = 12 (sp - 1) sends; the 2 norm all-reduces.
+    ring: point-to-point chunks of BSH / sp, sp - 1 sends per ring: forward one gather ring per region (q, k, v
+    together; gate and up together) and one reduce-scatter ring per row layer (o, down) = 4 (sp - 1) sends, the
+    same bytes as split_gather's forward; backward 2 rings per region and 1 per row layer = 6 (sp - 1) sends,
+    the same bytes as split_gather's backward; the 2 norm all-reduces.
     Outside the layers, every mode has the embedding's all-reduce and the loss's all-reduces (forward); the SP
     modes add the final hidden states' all-gather (forward), the split's gradient all-gather and the final
     norm's gradient all-reduce (backward)."""
@@ -166,11 +167,11 @@ def test_collectives_per_layer(sp):
     ), bwd  # fmt: skip
     fwd, bwd = got["ring"]
     assert fwd == Counter(
-        {("isend", chunk): 7 * L * (sp - 1), ("irecv", chunk): 7 * L * (sp - 1),
+        {("isend", chunk): 4 * L * (sp - 1), ("irecv", chunk): 4 * L * (sp - 1),
          ("all_gather_into_tensor", bsh): 1, ("all_reduce", bsh): 2, **loss}
     ), fwd  # fmt: skip
     assert bwd == Counter(
-        {("isend", chunk): 12 * L * (sp - 1), ("irecv", chunk): 12 * L * (sp - 1),
+        {("isend", chunk): 6 * L * (sp - 1), ("irecv", chunk): 6 * L * (sp - 1),
          ("all_gather_into_tensor", bsh): 1, ("all_reduce", norm): 2 * L + 1}
     ), bwd  # fmt: skip
 
@@ -209,8 +210,8 @@ def _saved_by_layer(mode: str | None) -> dict[str, int]:
     layer.register_forward_pre_hook(enter)
     layer.register_forward_hook(leave)
     for block in (layer.self_attn, layer.mlp):
-        # Registered after the policy's region hooks: "inside" from the region's entry on.
-        block.register_forward_pre_hook(inside)
+        # Before the policy's region hooks: what they save on entry (the ring's slice) is the region's.
+        block.register_forward_pre_hook(inside, prepend=True)
         block.register_forward_hook(outside)
     ids = torch.randint(0, VOCAB, (B, S))
     model(input_ids=ids, labels=ids).loss.backward()  # the saved references unpack as in training

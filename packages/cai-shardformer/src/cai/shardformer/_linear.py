@@ -148,6 +148,10 @@ class Linear1D_Col(ParallelModule):
         new.weight.requires_grad_(module.weight.requires_grad)
         return new
 
+    def ring_weight(self) -> torch.Tensor:
+        """The weight as the forward multiplies it (replicated heads' gradients summed over their replicas)."""
+        return self._with_replica_grads(self.weight)
+
     def _with_replica_grads(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or self._replica_group is None:
             return t
@@ -166,11 +170,11 @@ class Linear1D_Col(ParallelModule):
         bias = self._with_replica_grads(self.bias)
         add_bias = None if self.skip_bias_add else bias
         dim, group = self.seq_parallel_dim, self.process_group
-        if self.seq_parallel_mode == "ring":
-            x = x if self.sp_region is None else self.sp_region.resolve(x)
-            y = ring_column_linear(
-                x, weight, dim, group
-            )  # (..., S, out_features / tp); see [Note: ring steps]
+        if self.seq_parallel_mode == "ring":  # see [Note: ring steps]
+            if self.sp_region is not None and self.sp_region.holds(x):
+                y = self.sp_region.output(self)  # computed in the region's one ring for all its column layers
+            else:
+                (y,) = ring_column_linear(x, [weight], dim, group)  # (..., S, out_features / tp)
             y = y if add_bias is None else y + add_bias
         elif self.seq_parallel_mode == "split_gather":
             full = gather_seq(x, dim, group)

@@ -12,11 +12,12 @@ The sequence is split into `t` chunks, chunk `c` living on rank `c` of the group
              accumulator received from r - 1 (the same chunk's partial sum over ranks r - s .. r - 1) and sends
              it on; after step t - 1 the chunk in hand is chunk r, summed over all ranks.
 
-Column layer: forward = gather ring (output chunk c = x_c @ W.T); backward = one loop running both rings: the
-input chunks go round again for the weight gradient (sum over c of g_c.T @ x_c; only the local chunk was saved)
-and the input gradient's partial chunks (g_c @ W) are reduce-scattered. Row layer: forward = reduce-scatter ring
+Column layers: forward = gather ring (output chunk c = x_c @ W.T), one ring for all the column layers that read
+the same input (a region's q, k and v; gate and up); backward = one loop running both rings: the input chunks go
+round again for the weight gradients (sum over c of g_c.T @ x_c; only the local chunk was saved) and the input
+gradient's partial chunks (sum over the layers of g_c @ W) are reduce-scattered. Row layer: forward = reduce-scatter ring
 of x_c @ W.T; backward = gather ring of the output gradient's chunks (input gradient chunk c = g_c @ W, weight
-gradient summed). Per layer and rank: t - 1 sends of one chunk forward, 2 (t - 1) backward for a column layer and
+gradient summed). Per ring and rank: t - 1 sends of one chunk forward, 2 (t - 1) backward for the column ring and
 t - 1 for a row layer. Sends go through `torch.distributed.isend` / `irecv`, so `CollectiveCounter` counts them.
 """
 
@@ -76,38 +77,46 @@ def _ring_reduce_scatter(partial, ring: _Ring) -> torch.Tensor:
 
 
 class _RingColumn(torch.autograd.Function):
+    """One ring for the column layers that read the same input (q, k and v; gate and up): `weights` each."""
+
     @staticmethod
-    def forward(ctx, x, weight, dim, group):
+    def forward(ctx, x, dim, group, *weights):
         ring = _Ring(group)
-        held, outs = x.contiguous(), [None] * ring.t
+        held, outs = x.contiguous(), [[None] * ring.t for _ in weights]
         for s in range(ring.t):
             nxt = ring.start(held) if s < ring.t - 1 else None
-            outs[ring.chunk_of(s)] = F.linear(held, weight)  # (B, S / t, out / tp), overlaps the exchange
+            for out, weight in zip(outs, weights):  # overlaps the exchange
+                out[ring.chunk_of(s)] = F.linear(held, weight)  # (B, S / t, out / tp)
             if nxt is not None:
                 ring.wait()
                 held = nxt
-        ctx.save_for_backward(x, weight)  # the local chunk only: see [Note: ring steps]
+        ctx.save_for_backward(x, *weights)  # the local chunk only: see [Note: ring steps]
         ctx.dim, ctx.group = dim, group
-        return torch.cat(outs, dim=dim)
+        return tuple(torch.cat(out, dim=dim) for out in outs)
 
     @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
         gathered, scattered = _Ring(ctx.group), _Ring(ctx.group, tag=1)  # two rings in flight: own tags
-        g_chunks = _chunks(g, ctx.dim, gathered.t)
-        gw = torch.zeros_like(weight)
-        held, acc = x.contiguous(), g_chunks[scattered.chunk_of(0, ahead=1)] @ weight
+        g_chunks = [_chunks(g, ctx.dim, gathered.t) for g in grads]
+
+        def partial(c: int) -> torch.Tensor:  # this rank's term of chunk c of the input gradient
+            return sum(g[c] @ w for g, w in zip(g_chunks, weights))
+
+        gws = [torch.zeros_like(w) for w in weights]
+        held, acc = x.contiguous(), partial(scattered.chunk_of(0, ahead=1))
         for s in range(gathered.t):
             last = s == gathered.t - 1
             nxt = None if last else gathered.start(held)
             incoming = None if last else scattered.start(acc)
-            gw += _wgrad(g_chunks[gathered.chunk_of(s)], held)  # overlaps both exchanges
-            mine = None if last else g_chunks[scattered.chunk_of(s + 1, ahead=1)] @ weight
+            for gw, g in zip(gws, g_chunks):  # overlaps both exchanges
+                gw += _wgrad(g[gathered.chunk_of(s)], held)
+            mine = None if last else partial(scattered.chunk_of(s + 1, ahead=1))
             if not last:
                 gathered.wait()
                 scattered.wait()
                 held, acc = nxt, incoming + mine
-        return acc, gw, None, None
+        return acc, None, None, *gws
 
 
 class _RingRow(torch.autograd.Function):
@@ -136,11 +145,12 @@ class _RingRow(torch.autograd.Function):
         return torch.cat(gx, dim=ctx.dim), gw, None, None
 
 
-def ring_column_linear(x: torch.Tensor, weight: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """`all_gather(x, dim) @ weight.T` computed chunk by chunk while the chunks go round the ring (no bias)."""
+def ring_column_linear(x: torch.Tensor, weights: list[torch.Tensor], dim: int, group) -> list[torch.Tensor]:
+    """`all_gather(x, dim) @ w.T` for each of `weights`, computed chunk by chunk while the chunks of `x` go round
+    the ring once for all of them (no bias)."""
     if dist.get_world_size(group) == 1:
-        return F.linear(x, weight)
-    return _RingColumn.apply(x, weight, dim, group)
+        return [F.linear(x, w) for w in weights]
+    return list(_RingColumn.apply(x, dim, group, *weights))
 
 
 def ring_row_linear(x: torch.Tensor, weight: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -32,6 +32,7 @@ from cai.shardformer._ops import (
     gather_seq,
     split_forward_gather_backward,
 )
+from cai.shardformer._ring import ring_column_linear
 
 __all__ = [
     "RingRegion",
@@ -216,36 +217,44 @@ def sequence_region(module: nn.Module, group, dim: int = 1) -> None:
 
 
 class RingRegion:
-    """A ring-mode region (attention or MLP): its column layers multiply the rank's slice of the sequence ring-wise
-    (see [Note: ring steps]), so the block is called with a stand-in of the whole sequence's shape (Hugging Face
-    attention reads `hidden_states.shape` for its views) that holds no data; each column layer inside swaps it
-    for the slice."""
+    """A ring-mode region (attention or MLP): on entry, one ring (see [Note: ring steps]) multiplies the rank's
+    slice of the sequence by the weights of all the column layers inside (q, k and v; gate and up). The block is
+    then called with a stand-in of the whole sequence's shape that holds no data (Hugging Face attention reads
+    `hidden_states.shape` for its views), and each column layer called with the stand-in returns its product."""
 
     def __init__(self, dim: int = 1) -> None:
         self.dim = dim
         self.stand_in: torch.Tensor | None = None
-        self.shard: torch.Tensor | None = None
+        self.outputs: dict[int, torch.Tensor] = {}
 
-    def resolve(self, x: torch.Tensor) -> torch.Tensor:
-        """The slice if `x` is this region's stand-in, else `x` (a column layer used outside the region)."""
-        return self.shard if self.stand_in is not None and x is self.stand_in else x
+    def holds(self, x: torch.Tensor) -> bool:
+        return self.stand_in is not None and x is self.stand_in
+
+    def output(self, layer: nn.Module) -> torch.Tensor:
+        return self.outputs[id(layer)]
 
     def install(self, module: nn.Module, group) -> None:
         sp = dist.get_world_size(group)
+        layers = [m for m in module.modules() if getattr(m, "seq_parallel_mode", None) == "ring" and hasattr(m, "ring_weight")]  # fmt: skip
+        if not layers:
+            raise ValueError(
+                f"{type(module).__name__} is a ring region without column layers of seq_parallel_mode='ring'; "
+                f"build its column layers with that mode, or do not list it in tp_input_regions"
+            )
+        for layer in layers:
+            layer.sp_region = self
 
         def enter(mod, args, kwargs):
             shard, call = _hidden_states(args, kwargs)
+            products = ring_column_linear(shard, [layer.ring_weight() for layer in layers], self.dim, group)
+            self.outputs = {id(layer): y for layer, y in zip(layers, products)}  # (B, S, out / tp) each
             shape = list(shard.shape)
             shape[self.dim] *= sp
-            self.shard = shard
             self.stand_in = shard.new_zeros(()).expand(shape)  # no storage of that size
             return call(self.stand_in)
 
         def leave(mod, args, kwargs, output):
-            self.stand_in = self.shard = None
+            self.stand_in, self.outputs = None, {}
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True, always_call=True)
-        for layer in module.modules():
-            if getattr(layer, "seq_parallel_mode", None) == "ring" and hasattr(layer, "sp_region"):
-                layer.sp_region = self  # a column layer: it reads its input through `resolve`
