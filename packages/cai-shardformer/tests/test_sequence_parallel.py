@@ -24,6 +24,7 @@ class Case:
     family: str
     mode: str
     kv_heads: int = 2  # at tp 4: each kv head replicated on two ranks
+    checkpointing: bool = False  # Hugging Face gradient checkpointing (recomputes each layer in backward)
 
 
 def _tiny(family: str, kv_heads: int = 2):
@@ -34,6 +35,8 @@ def _tiny(family: str, kv_heads: int = 2):
     torch.manual_seed(0)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if family == "qwen2":  # q, k and v with biases
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     if family == "qwen3":  # per-head q/k norms inside attention
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=H // HEADS, **common))
     raise ValueError(family)
@@ -70,6 +73,9 @@ def _train(case: Case) -> None:
     ref = _tiny(case.family, case.kv_heads)
     model, _ = ShardFormer(_sp(case.mode)).optimize(copy.deepcopy(ref))
     assert set(model.state_dict()) == set(ref.state_dict())
+    if case.checkpointing:  # the split and the regions run again in the recomputation
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # eps=1e-4 as in test_policies: Adam amplifies the rounding of a near-zero gradient by lr / eps.
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
@@ -110,12 +116,20 @@ def _matrix(cases: list[Case]) -> None:
 
 
 MATRIX = [Case(family, mode) for family in ("llama", "qwen3") for mode in ("split_gather", "ring")]
+EXTRA = {  # at sp 2 only: biases on the column layers, gradient checkpointing
+    2: [
+        Case("qwen2", "ring"),
+        Case("llama", "split_gather", checkpointing=True),
+        Case("llama", "ring", checkpointing=True),
+    ],
+    4: [],
+}
 
 
 @pytest.mark.parametrize("sp", [2, 4])
 def test_sequence_parallel_matches_unsharded(sp):
     """Both modes on Llama and Qwen3 at sp (= tp) 2 and 4, one process group per size for the whole matrix."""
-    run_distributed(_matrix, sp, MATRIX, timeout=300)
+    run_distributed(_matrix, sp, MATRIX + EXTRA[sp], timeout=300)
 
 
 def _collectives(mode: str | None):
