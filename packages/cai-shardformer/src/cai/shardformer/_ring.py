@@ -15,9 +15,9 @@ The sequence is split into `t` chunks, chunk `c` living on rank `c` of the group
 Column layers: forward = gather ring (output chunk c = x_c @ W.T), one ring for all the column layers that read
 the same input (a region's q, k and v; gate and up); backward = one loop running both rings: the input chunks go
 round again for the weight gradients (sum over c of g_c.T @ x_c; only the local chunk was saved) and the input
-gradient's partial chunks (sum over the layers of g_c @ W) are reduce-scattered. Row layer: forward = reduce-scatter ring
-of x_c @ W.T; backward = gather ring of the output gradient's chunks (input gradient chunk c = g_c @ W, weight
-gradient summed). Per ring and rank: t - 1 sends of one chunk forward, 2 (t - 1) backward for the column ring and
+gradient's partial chunks (sum over the layers of g_c @ W) are reduce-scattered. Row layer: forward =
+reduce-scatter ring of x_c @ W.T; backward = gather ring of the output gradient's chunks (input gradient chunk
+c = g_c @ W, weight gradient summed). Per ring and rank: t - 1 sends of one chunk forward, 2 (t - 1) backward for the column ring and
 t - 1 for a row layer. Sends go through `torch.distributed.isend` / `irecv`, so `CollectiveCounter` counts them.
 """
 
