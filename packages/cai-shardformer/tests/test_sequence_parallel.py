@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from torch import nn
 
 from cai.mesh.testing import CollectiveCounter, assert_close, run_distributed
-from cai.shardformer import ParallelModule, ShardConfig, ShardFormer
+from cai.shardformer import Linear1D_Col, ParallelModule, ShardConfig, ShardFormer
 from cai.shardformer.policies.llama import LlamaForCausalLMPolicy
 
 VOCAB = 251  # padded at tp 2 and 4
@@ -304,3 +305,28 @@ def test_bad_configuration_fails_at_optimize_with_the_fix():
         assert got[kind][0] == want_type, (kind, got[kind])
         for f in fragments:
             assert f in got[kind][1], (kind, f, got[kind][1])
+
+
+def _column_keeps_the_slice() -> None:
+    """A standalone split_gather column layer saves its input slice, not the gathered input, and gathers it again
+    in every backward that needs it (also a second one over a retained graph)."""
+    torch.manual_seed(0)
+    native = nn.Linear(H, 32)
+    layer = Linear1D_Col.from_native_module(copy.deepcopy(native), None, seq_parallel_mode="split_gather")
+    x = torch.randn(B, S, H)
+    xin = x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        out = layer(xin)
+    assert (B, S, H) not in saved and list(xin.shape) in [list(s) for s in saved], saved
+    with CollectiveCounter() as cc:
+        out.sum().backward(retain_graph=True)
+        out.sum().backward()
+    assert cc.count("all_gather_into_tensor") == 2 and cc.count("reduce_scatter_tensor") == 2, cc.events
+    ref = native(x)
+    ref.sum().backward()
+    assert_close(layer.full_tensor("weight", layer.weight.grad), 2 * native.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_split_gather_column_keeps_the_slice_and_regathers():
+    run_distributed(_column_keeps_the_slice, 2)
