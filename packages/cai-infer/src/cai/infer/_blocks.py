@@ -49,6 +49,8 @@ class BlockManager:
         self.hash_of: dict[int, int] = {}  # block -> content hash
         self.block_of: dict[int, int] = {}  # content hash -> block
         self.partial: set[int] = set()  # blocks cached under a partial (shorter than block_size) token tuple
+        self.num_hit_tokens = 0  # prompt tokens found in the prefix cache, since construction
+        self.num_copies = 0  # copies on write, since construction
 
     # -- allocation ---------------------------------------------------------------------------------------------
     @property
@@ -106,6 +108,7 @@ class BlockManager:
             parent = h
             if len(chunk) < bs:
                 break
+        self.num_hit_tokens += start
         return blocks, start
 
     def _take(self, block: int) -> None:
@@ -135,6 +138,7 @@ class BlockManager:
         reference moved to it."""
         new = self.allocate()
         self.release([block])
+        self.num_copies += 1
         return new
 
     # -- checks -------------------------------------------------------------------------------------------------
