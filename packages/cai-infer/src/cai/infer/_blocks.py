@@ -19,10 +19,11 @@ tuple, so a later identical prompt can share it too.
 [Note: copy on write]
 A sequence writes only into slots at or after its ``num_computed`` position. Before it writes into a block that
 another sequence also holds (``ref > 1``), it takes a private copy (``copy_on_write``). A block it holds alone
-may be written in place: if the block is cached as a prompt's partial last block, that entry is dropped first
-(``drop_partial``), since the block is about to hold more than the entry says; a cached full block is only ever
-rewritten with the same token at the same position (the last prompt token, recomputed for its logits), which
-leaves it valid.
+that is cached as a prompt's partial last block is copied too when a free block is left, so the entry keeps
+serving later identical prompts (one block copy per request); with no free block left the entry is dropped
+instead (``drop_partial``) and the block is written in place, so a lone sequence never waits on a copy. A cached
+full block is only ever rewritten with the same token at the same position (the last prompt token, recomputed
+for its logits), which leaves it valid.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.temperature={self.temperature} must be >= 0 (0: greedy)")
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise ValueError(f"InferenceConfig.repetition_penalty={self.repetition_penalty} must be > 0")
-        if self.start_token_size > self.block_size:
+        if self.enable_streamingllm and self.start_token_size > self.block_size:
             raise ValueError(
                 f"InferenceConfig.start_token_size={self.start_token_size} must be <= block_size={self.block_size}"
             )

@@ -154,9 +154,12 @@ class Scheduler:
         first, end = seq.num_computed // bs, -(-(seq.num_computed + n) // bs)
         touched = range(first, min(end, len(seq.block_table)))
         shared = [j for j in touched if self.blocks.ref[seq.block_table[j]] > 1]
+        cached = [j for j in touched if j not in shared and seq.block_table[j] in self.blocks.partial]
         fresh = max(0, end - len(seq.block_table))
         if len(shared) + fresh > self.blocks.num_free:
             return False
+        if len(shared) + len(cached) + fresh <= self.blocks.num_free:
+            shared += cached  # keep the cached partial block intact for later identical prompts
         for j in touched:
             if j in shared:
                 old = seq.block_table[j]
