@@ -102,6 +102,8 @@ def apply_penalties_and_masks(
     the argmax). The order is transformers' (penalty, temperature, top-k, top-p, min-p)."""
     logits = logits.float().clone()  # (S, V)
     for i, (p, seen) in enumerate(zip(params, history, strict=True)):
+        if p.greedy and p.repetition_penalty == 1.0:
+            continue
         row = logits[i]
         if p.repetition_penalty != 1.0 and seen:
             ids = torch.tensor(sorted(set(seen)), dtype=torch.long, device=row.device)
@@ -149,11 +151,9 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> list[int]:
     """One token per row of processed logits: argmax for greedy rows, else a draw from the row's own generator."""
-    out = []
+    out = logits.argmax(-1).tolist()  # one device sync for every greedy row
     for i, p in enumerate(params):
-        if p.greedy:
-            out.append(int(logits[i].argmax()))
-        else:
+        if not p.greedy:
             probs = logits[i].softmax(-1)
-            out.append(int(torch.multinomial(probs, 1, generator=generators[i])))
+            out[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
     return out
