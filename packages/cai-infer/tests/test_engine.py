@@ -145,3 +145,17 @@ def test_loads_model_and_tokenizer_from_a_path(tmp_path, engines):
     engines.append(engine)
     assert engine.model.dtype == torch.float32 and engine.model.config._attn_implementation == "cai_paged"
     assert engine.generate(prompts=prompts) == want
+
+    # stop strings: the text ends before the first one, the reason is "stop"
+    free = engine.generate(
+        prompts=["Hello"], generation_config=SamplingParams(max_new_tokens=5, ignore_eos=True)
+    )[0]
+    assert len(free) >= 3, free
+    stop = free[1:3]
+    engine.add_request(
+        request_ids="s", prompts="Hello", sampling_params=SamplingParams(max_new_tokens=5, stop=(stop,))
+    )
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].text == free[: free.index(stop)] and outs[-1].finish_reason == "stop"

@@ -161,3 +161,26 @@ def test_repetition_penalty_greedy_matches_generate(make_model, engines, penalty
     gen = GenerationConfig(max_new_tokens=10, repetition_penalty=penalty)
     _, got = engine.generate(prompts_token_ids=prompts, generation_config=gen, return_token_ids=True)
     assert got == want
+
+
+def test_logprobs_match_generates_logits(make_model, engines):
+    model = make_model("qwen2")
+    prompt = [4, 8, 15, 16, 23, 42]
+    ref = model.generate(
+        torch.tensor([prompt]), max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    engine = InferenceEngine(model, None, CONFIG)
+    engines.append(engine)
+    engine.add_request(prompts_token_ids=prompt, sampling_params=SamplingParams(max_new_tokens=5, logprobs=3))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    final = outs[-1]
+    assert final.token_ids == ref.sequences[0, len(prompt) :].tolist()
+    assert len(final.logprobs) == 5
+    for token, lp, logits in zip(final.token_ids, final.logprobs, ref.logits, strict=True):
+        want = logits[0].float().log_softmax(-1)
+        assert set(lp) == set(want.topk(3).indices.tolist()) | {token}
+        for t, v in lp.items():
+            assert abs(v - float(want[t])) < 1e-5

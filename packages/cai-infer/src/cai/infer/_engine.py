@@ -13,8 +13,8 @@ from torch import nn
 from ._blocks import BlockManager
 from ._config import InferenceConfig
 from ._runner import ModelRunner, kv_cache_for
-from ._sampling import SamplingParams, apply_penalties_and_masks, sample
-from ._scheduler import Scheduler, Sequence
+from ._sampling import SamplingParams, apply_penalties_and_masks, logprobs_of, sample
+from ._scheduler import Scheduler, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class RequestOutput:
     text: str | None  # the output tokens decoded (None without a tokenizer)
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort" or None while running
+    logprobs: list[dict[int, float]] | None = None  # per output token, when the request asked for them
 
 
 class InferenceEngine:
@@ -152,6 +153,10 @@ class InferenceEngine:
             raise ValueError(f"request id {rid!r} is already queued or running; use a new id")
         if not tokens:
             raise ValueError(f"request {rid!r} has an empty prompt; pass at least one token")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {rid!r} has stop strings {params.stop!r} but the engine has no tokenizer"
+            )
         if len(tokens) > cfg.max_input_len:
             raise ValueError(
                 f"request {rid!r} has a {len(tokens)}-token prompt, over max_input_len={cfg.max_input_len}; "
@@ -192,21 +197,33 @@ class InferenceEngine:
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
-        logits = self.runner.run(batch)
+        raw = self.runner.run(batch)
         sampling = [s for s, take in zip(batch.seqs, batch.samples, strict=True) if take]
         params = [s.params for s in sampling]
-        logits = apply_penalties_and_masks(logits, params, [s.tokens for s in sampling])
+        logits = apply_penalties_and_masks(raw, params, [s.tokens for s in sampling])
         tokens = sample(logits, params, [s.generator for s in sampling])
+        for i, (seq, token) in enumerate(zip(sampling, tokens, strict=True)):
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(logprobs_of(raw[i], token, seq.params.logprobs))
         advanced = self.scheduler.update(batch, tokens)
         for seq in advanced:
+            if seq.params.stop and not seq.status.finished:
+                self._check_stop_strings(seq)
             if seq.status.finished:
                 del self._requests[seq.request_id]
         return advanced
 
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        found = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        if found:
+            seq.text_end = min(found)
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+
     def _output(self, seq: Sequence) -> RequestOutput:
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)[: seq.text_end]
         finished = seq.status.finished
         return RequestOutput(
             seq.request_id,
@@ -215,6 +232,7 @@ class InferenceEngine:
             text,
             finished,
             seq.status.value if finished else None,
+            list(seq.logprobs) if seq.params.logprobs is not None else None,
         )
 
     def generate(

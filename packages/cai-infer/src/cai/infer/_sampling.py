@@ -29,6 +29,10 @@ class SamplingParams:
         ignore_eos: do not stop at EOS.
         seed: this request's own random generator seed, so its samples do not depend on what else is batched
             with it (None: drawn from torch's global generator when the request is added).
+        stop: strings that end the request when the output text contains one; the text is cut before it, the
+            tokens keep the one that completed it (needs a tokenizer).
+        logprobs: None, or return for each new token its log-probability under the model (before any processor)
+            and those of the ``logprobs`` most likely tokens.
     """
 
     max_new_tokens: int | None = None
@@ -41,6 +45,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -55,7 +61,15 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p={self.min_p} must be in [0, 1]")
         if self.repetition_penalty <= 0:
             raise ValueError(f"SamplingParams.repetition_penalty={self.repetition_penalty} must be > 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(
+                f"SamplingParams.logprobs={self.logprobs} must be >= 0 (0: the chosen token's only)"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in stop):
+            raise ValueError(f"SamplingParams.stop={stop!r} holds an empty string, which would stop at once")
+        object.__setattr__(self, "stop", stop)
 
     @property
     def greedy(self) -> bool:
@@ -87,8 +101,11 @@ class SamplingParams:
                 value = getattr(generation_config, name, None)
                 if value is not None:
                     values[name] = value
+            stop = getattr(generation_config, "stop_strings", None)
+            if stop:
+                values["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
             eos = getattr(generation_config, "eos_token_id", None)
-            if eos is not None:
+            if eos is not None and not values["ignore_eos"]:
                 values["stop_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         return cls(**values)
 
@@ -145,6 +162,15 @@ def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     """``logits`` with tokens less likely than ``min_p`` times the most likely one set to -inf."""
     probs = logits.softmax(-1)
     return logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+
+
+def logprobs_of(logits: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """Log-probabilities of ``token`` and of the ``n`` most likely tokens, from one row of raw logits."""
+    lp = logits.float().log_softmax(-1)
+    top = lp.topk(n) if n else None
+    out = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    out[token] = float(lp[token])
+    return out
 
 
 def sample(

@@ -53,6 +53,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chain hash of each computed full block
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
+    text_end: int | None = None  # where a stop string cut the output text
 
     @property
     def tokens(self) -> list[int]:
@@ -222,12 +224,12 @@ class Scheduler:
             seq.output_token_ids.append(token)
             out.append(seq)
             if token in seq.stop_ids:
-                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
             elif len(seq.output_token_ids) >= seq.max_new_tokens:
-                self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
         return out
 
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.running.remove(seq)
         self._free(seq)
         seq.status = status
