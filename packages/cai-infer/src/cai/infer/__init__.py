@@ -2,6 +2,7 @@
 
 from importlib.metadata import version as _version
 
+from ._async import AsyncInferenceEngine
 from ._attention import ATTENTION_NAME, PagedKVCache
 from ._blocks import BlockManager
 from ._config import InferenceConfig
@@ -12,6 +13,7 @@ __version__ = _version("cai-infer")
 
 __all__ = [
     "ATTENTION_NAME",
+    "AsyncInferenceEngine",
     "BlockManager",
     "InferenceConfig",
     "InferenceEngine",
