@@ -159,3 +159,20 @@ def test_loads_model_and_tokenizer_from_a_path(tmp_path, engines):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].text == free[: free.index(stop)] and outs[-1].finish_reason == "stop"
+
+
+def test_loads_a_cai_ckpt_checkpoint(make_model, tmp_path, engines):
+    import cai.ckpt as ck
+
+    model = make_model("mistral")
+    ck.save_model(model, tmp_path / "model", dtype=torch.float32)  # HF safetensors shards + config.json
+    prompt = [2, 71, 82, 93, 104]
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[
+        0, 5:
+    ].tolist()
+    engine = InferenceEngine(tmp_path / "model", inference_config=CONFIG_FP32)
+    engines.append(engine)
+    assert engine.generate(prompts_token_ids=[prompt], return_token_ids=True)[1] == [want]
+
+
+CONFIG_FP32 = InferenceConfig(dtype="fp32", block_size=4, max_input_len=16, max_output_len=6)
