@@ -6,7 +6,7 @@ A step runs the model once on every scheduled sequence's new tokens packed into 
 the attention function registered under ``ATTENTION_NAME`` (transformers' ``AttentionInterface``), together with
 this step's ``PagedBatch`` (passed as the ``cai_paged`` keyword, which the decoder models forward to attention).
 The function writes the new K/V into the cache slots of their positions, then lets each query attend over its own
-sequence's slots up to its position: no Hugging Face forward is copied, and no mask is built by the model (the
+sequence's slots up to its position (cai-kernels' ``paged_attention``: Triton on CUDA, pure torch elsewhere): no Hugging Face forward is copied, and no mask is built by the model (the
 mask functions have no entry for this name, so transformers skips them).
 """
 
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
+
+from cai.kernels import paged_attention
 
 ATTENTION_NAME = "cai_paged"
 
@@ -56,17 +58,17 @@ class PagedKVCache:
 
 @dataclass(frozen=True, kw_only=True)
 class PagedBatch:
-    """Where this step's tokens go in the cache and what each sequence's queries see.
+    """Where this step's tokens go in the cache and which context each sequence's queries see.
 
-    S sequences; T new tokens in all; Q and C the longest new-token count and the longest context."""
+    S sequences, T new tokens in all, packed sequence after sequence."""
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token
-    query_index: torch.Tensor  # (S, Q) index into the T tokens of the sequence's i-th new token; padding -> 0
-    query_valid: torch.Tensor  # (S, Q) bool
-    query_pos: torch.Tensor  # (S, Q) position of each query in its sequence
-    context_slots: torch.Tensor  # (S, C) cache slot of each position of the sequence's context; padding -> 0
-    context_len: torch.Tensor  # (S,) positions of the context after this step's tokens are written
+    block_tables: torch.Tensor  # (S, max blocks) int32, padded with block 0
+    query_start: torch.Tensor  # (S + 1,) int32 offsets of each sequence's new tokens
+    num_computed: torch.Tensor  # (S,) int32 tokens cached before this step's
+    max_query_len: int
+    max_context_len: int
 
     @classmethod
     def build(
@@ -80,77 +82,26 @@ class PagedBatch:
     ) -> PagedBatch:
         """The batch of sequences whose first ``num_computed[s]`` tokens are cached and ``num_new[s]`` follow."""
         bs = cache.block_size
-        S = len(num_new)
-        Q = max(num_new)
-        C = max(c + n for c, n in zip(num_computed, num_new, strict=True))
-        query_index = torch.zeros(S, Q, dtype=torch.long)
-        query_valid = torch.zeros(S, Q, dtype=torch.bool)
-        query_pos = torch.zeros(S, Q, dtype=torch.long)
-        context_slots = torch.zeros(S, C, dtype=torch.long)
-        slots = []
-        start = 0
-        for s, (table, c, n) in enumerate(zip(block_tables, num_computed, num_new, strict=True)):
-            ctx = c + n
-            pos = torch.arange(ctx)
-            seq_slots = torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
-            context_slots[s, :ctx] = seq_slots
-            slots.append(seq_slots[c:])
-            query_index[s, :n] = torch.arange(start, start + n)
-            query_valid[s, :n] = True
-            query_pos[s, :n] = torch.arange(c, ctx)
-            start += n
+        slots: list[int] = []
+        for table, c, n in zip(block_tables, num_computed, num_new, strict=True):
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+        width = max(len(t) for t in block_tables)
+        starts = [0]
+        for n in num_new:
+            starts.append(starts[-1] + n)
+
+        def i32(x):
+            return torch.tensor(x, dtype=torch.int32, device=device)
+
         return cls(
             cache=cache,
-            slot_mapping=torch.cat(slots).to(device),
-            query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
-            query_pos=query_pos.to(device),
-            context_slots=context_slots.to(device),
-            context_len=torch.tensor(
-                [c + n for c, n in zip(num_computed, num_new, strict=True)], device=device
-            ),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            block_tables=i32([t + [0] * (width - len(t)) for t in block_tables]),
+            query_start=i32(starts),
+            num_computed=i32(num_computed),
+            max_query_len=max(num_new),
+            max_context_len=max(c + n for c, n in zip(num_computed, num_new, strict=True)),
         )
-
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """(S, Q, C) True where a query may attend a context position: causal, inside the sliding window.
-
-        Padding queries attend position 0 only, so their softmax stays finite (their output is dropped)."""
-        kv_pos = torch.arange(self.context_slots.shape[1], device=self.query_pos.device)  # (C,)
-        q = self.query_pos[:, :, None]  # (S, Q, 1)
-        allowed = kv_pos[None, None, :] <= q
-        if sliding_window is not None:
-            allowed &= kv_pos[None, None, :] > q - sliding_window
-        allowed &= self.query_valid[:, :, None]
-        return allowed | (~self.query_valid[:, :, None] & (kv_pos == 0)[None, None, :])
-
-
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: PagedBatch,
-    *,
-    scaling: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention of packed queries (T, heads, head_dim) over each sequence's cached context; returns (T, heads,
-    head_dim). Pure torch: pads to (S, Q) queries and (S, C) keys, groups query heads per kv head (GQA)."""
-    _, nh, hd = query.shape
-    S, Q = batch.query_index.shape
-    nkv = k_cache.shape[1]
-    g = nh // nkv
-    q = query[batch.query_index]  # (S, Q, nh, hd)
-    q = q.view(S, Q, nkv, g, hd).permute(0, 2, 3, 1, 4)  # (S, nkv, g, Q, hd)
-    k = k_cache[batch.context_slots].permute(0, 2, 1, 3).unsqueeze(2)  # (S, nkv, 1, C, hd)
-    v = v_cache[batch.context_slots].permute(0, 2, 1, 3).unsqueeze(2)  # (S, nkv, 1, C, hd)
-    scores = (q @ k.transpose(-1, -2)).float() * scaling  # (S, nkv, g, Q, C)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~batch.mask(sliding_window)[:, None, None], float("-inf"))
-    out = scores.softmax(-1).to(v.dtype) @ v  # (S, nkv, g, Q, hd)
-    out = out.permute(0, 3, 1, 2, 4).reshape(S, Q, nh, hd)
-    return out[batch.query_valid]  # (T, nh, hd): valid queries are in token order
 
 
 def _hf_paged_attention(
@@ -178,10 +129,15 @@ def _hf_paged_attention(
     k_cache[cai_paged.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)  # (T, nkv, hd)
     v_cache[cai_paged.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
     out = paged_attention(
-        query[0].transpose(0, 1),
+        query[0].transpose(0, 1),  # (T, heads, hd)
         k_cache,
         v_cache,
-        cai_paged,
+        block_tables=cai_paged.block_tables,
+        query_start=cai_paged.query_start,
+        num_computed=cai_paged.num_computed,
+        block_size=cai_paged.cache.block_size,
+        max_query_len=cai_paged.max_query_len,
+        max_context_len=cai_paged.max_context_len,
         scaling=scaling if scaling is not None else module.head_dim**-0.5,
         sliding_window=sliding_window,
         softcap=softcap,
