@@ -36,6 +36,8 @@ def test_config_defaults_dtypes_and_errors():
         InferenceConfig(max_batch_size=0)
     with pytest.raises(ValueError, match=r"top_p=1.5 must be in \(0, 1\]"):
         InferenceConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=4 is below max_batch_size=8"):
+        InferenceConfig(max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="num_blocks=0"):
         InferenceConfig(num_blocks=0)
     with pytest.raises(ValueError, match="start_token_size=32 must be <= block_size=16"):

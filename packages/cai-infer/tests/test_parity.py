@@ -32,7 +32,7 @@ REGIMES = [
     Regime("arrivals", arrive_every=2, max_batch_size=3),
     Regime("preempt", num_blocks=9),
     Regime("prefix", shared_prefix=9, arrive_every=3),
-    Regime("chunked", token_budget=5),
+    Regime("chunked", token_budget=5, max_batch_size=4),
     Regime("all", num_blocks=10, token_budget=6, shared_prefix=6, arrive_every=1, max_batch_size=4),
 ]
 LENGTHS = (3, 13, 8, 1, 17, 6)

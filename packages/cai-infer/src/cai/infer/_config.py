@@ -51,6 +51,10 @@ class InferenceConfig:
             no generation config; ``do_sample=False`` is greedy.
         ignore_eos: keep generating after the end-of-sequence token, up to the request's limit.
 
+    ``prefill_ratio``, ``pad_input``, ``early_stopping``, ``high_precision``, ``micro_batch_size``,
+    ``micro_batch_buffer_size`` and ``max_context_len_to_capture`` are accepted and have no effect: batches are
+    never padded, prefill and decode share every step under the token budget, and scores are always fp32.
+
     Colossal-AI fields for features this engine does not build yet (``tp_size``/``pp_size`` > 1,
     ``use_spec_dec``, ``use_cuda_graph``, ``use_cuda_kernel``, ``kv_cache_dtype``, ``beam_width`` > 1,
     ``enable_streamingllm``, ``no_repeat_ngram_size``, ``forced_eos_token_id``, ``prompt_template``) are accepted
@@ -113,6 +117,12 @@ class InferenceConfig:
                 raise ValueError(
                     f"InferenceConfig.{name}={value!r} must be a positive int or None (automatic)"
                 )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_batch_size:
+            raise ValueError(
+                f"InferenceConfig.max_num_batched_tokens={self.max_num_batched_tokens} is below max_batch_size="
+                f"{self.max_batch_size}: a full batch could not decode one token per sequence each step; raise it "
+                "or lower max_batch_size"
+            )
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"InferenceConfig.top_k={self.top_k} must be >= 0 (0 or None: no top-k)")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
