@@ -69,6 +69,8 @@ def test_requests_that_can_never_fit_are_refused(make_model, engines):
         engine.add_request(prompts_token_ids=[[]])
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
         engine.add_request(prompts="hi")
+    with pytest.raises(ValueError, match="repeat within one call"):
+        engine.add_request(request_ids=["b", "b"], prompts_token_ids=[[1], [2]])
     engine.add_request(request_ids="a", prompts_token_ids=[1, 2, 3])
     with pytest.raises(ValueError, match="request id 'a' is already queued"):
         engine.add_request(request_ids="a", prompts_token_ids=[4])

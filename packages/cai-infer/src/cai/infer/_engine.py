@@ -121,6 +121,9 @@ class InferenceEngine:
             raise ValueError(f"{len(ids)} request ids for {len(token_lists)} prompts; pass one id per prompt")
         params = sampling_params or SamplingParams.from_config(self.config, generation_config)
         seqs = [self._make_sequence(rid, toks, params) for rid, toks in zip(ids, token_lists, strict=True)]
+        names = [s.request_id for s in seqs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"request ids {names} repeat within one call; pass distinct ids")
         for seq in seqs:
             self._requests[seq.request_id] = seq
             self.scheduler.add(seq)
