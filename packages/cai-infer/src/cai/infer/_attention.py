@@ -64,6 +64,7 @@ class PagedBatch:
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token
+    positions: torch.Tensor  # (T,) position of each new token in its sequence
     block_tables: torch.Tensor  # (S, max blocks) int32, padded with block 0
     query_start: torch.Tensor  # (S + 1,) int32 offsets of each sequence's new tokens
     num_computed: torch.Tensor  # (S,) int32 tokens cached before this step's
@@ -82,23 +83,21 @@ class PagedBatch:
     ) -> PagedBatch:
         """The batch of sequences whose first ``num_computed[s]`` tokens are cached and ``num_new[s]`` follow."""
         bs = cache.block_size
-        slots: list[int] = []
-        for table, c, n in zip(block_tables, num_computed, num_new, strict=True):
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
         width = max(len(t) for t in block_tables)
-        starts = [0]
-        for n in num_new:
-            starts.append(starts[-1] + n)
-
-        def i32(x):
-            return torch.tensor(x, dtype=torch.int32, device=device)
-
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)  # (S, W)
+        new = torch.tensor(num_new)
+        starts = torch.zeros(len(num_new) + 1, dtype=torch.long)
+        torch.cumsum(new, 0, out=starts[1:])
+        seq = torch.repeat_interleave(torch.arange(len(num_new)), new)  # (T,) sequence of each token
+        positions = torch.tensor(num_computed)[seq] + torch.arange(int(starts[-1])) - starts[seq]  # (T,)
+        slots = tables[seq, positions // bs] * bs + positions % bs  # (T,)
         return cls(
             cache=cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            block_tables=i32([t + [0] * (width - len(t)) for t in block_tables]),
-            query_start=i32(starts),
-            num_computed=i32(num_computed),
+            slot_mapping=slots.to(device),
+            positions=positions.to(device),
+            block_tables=tables.to(device=device, dtype=torch.int32),
+            query_start=starts.to(device=device, dtype=torch.int32),
+            num_computed=torch.tensor(num_computed, dtype=torch.int32, device=device),
             max_query_len=max(num_new),
             max_context_len=max(c + n for c, n in zip(num_computed, num_new, strict=True)),
         )

@@ -231,7 +231,7 @@ class InferenceEngine:
         return RequestOutput(
             seq.request_id,
             seq.prompt_token_ids,
-            list(seq.output_token_ids),
+            seq.output_token_ids,
             text,
             finished,
             seq.status.value if finished else None,
@@ -263,7 +263,7 @@ class InferenceEngine:
         done.sort(key=lambda s: s.arrival)
         texts = [self._output(s).text for s in done]
         if return_token_ids:
-            return texts, [list(s.output_token_ids) for s in done]
+            return texts, [s.output_token_ids for s in done]
         return texts
 
     @property

@@ -59,7 +59,7 @@ class ModelRunner:
         )
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),  # (1, T): packed, no padding
-            position_ids=torch.tensor([pos], device=self.device),
+            position_ids=paged.positions[None],
             use_cache=False,
             logits_to_keep=torch.tensor(keep or [len(ids) - 1], device=self.device),
             cai_paged=paged,

@@ -47,7 +47,7 @@ class Sequence:
     max_new_tokens: int
     stop_ids: frozenset[int]
     generator: torch.Generator | None = None
-    output_token_ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(init=False)  # prompt then output; appended in place, never copied per step
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     block_hashes: list[int] = field(default_factory=list)  # chain hash of each computed full block
@@ -56,13 +56,20 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
     text_end: int | None = None  # where a stop string cut the output text
 
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_token_ids)
+
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_token_ids) :]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - len(self.prompt_token_ids)
 
 
 @dataclass(frozen=True)
@@ -221,11 +228,11 @@ class Scheduler:
             if not sample:
                 continue
             token = next(it)
-            seq.output_token_ids.append(token)
+            seq.tokens.append(token)
             out.append(seq)
             if token in seq.stop_ids:
                 self.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            elif len(seq.output_token_ids) >= seq.max_new_tokens:
+            elif seq.num_output_tokens >= seq.max_new_tokens:
                 self.finish(seq, SequenceStatus.FINISHED_LENGTH)
         return out
 
