@@ -34,8 +34,9 @@ class InferenceEngine:
     """Generates text with a Hugging Face causal LM, batching requests continuously over a paged KV cache.
 
     Args:
-        model_or_path: an ``nn.Module`` (a transformers causal LM) or a path / hub name that
-            ``AutoModelForCausalLM.from_pretrained`` loads (safetensors, including cai-ckpt's model output).
+        model_or_path: an ``nn.Module`` (a transformers causal LM, used on the device it is on) or a path / hub
+            name that ``AutoModelForCausalLM.from_pretrained`` loads (safetensors, including cai-ckpt's model
+            output) onto the process's accelerator (``cai.mesh.get_current_device()``).
         tokenizer: a transformers tokenizer, or None: loaded from ``model_or_path`` when it is a path; without
             one, requests pass token ids and outputs carry no text.
         inference_config: batching, cache and sampling defaults (``InferenceConfig()`` when None). The model is
@@ -68,7 +69,10 @@ class InferenceEngine:
         if isinstance(model_or_path, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
+            from cai.mesh import get_current_device
+
             model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=config.dtype)
+            model = model.to(get_current_device())  # the process's accelerator: cuda:<local rank>, else cpu
             if tokenizer is None:
                 try:
                     tokenizer = AutoTokenizer.from_pretrained(model_or_path)
