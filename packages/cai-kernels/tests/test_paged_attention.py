@@ -38,9 +38,10 @@ def _reference(query, k_cache, v_cache, tables, starts, computed, scaling, windo
 )
 def test_paged_attention_matches_dense(impl, heads, kv_heads, head_dim, window, softcap):
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
-    # (cached tokens, new tokens): decode steps, a prefill from zero, a chunk in the middle, a long decode
-    shapes = [(7, 1), (0, 9), (5, 6), (0, 1), (21, 1)]
-    num_blocks = 32
+    # (cached tokens, new tokens):
+    # decode steps, a prefill from zero, a chunk in the middle, a decode over 3 key tiles (split-K splits it)
+    shapes = [(7, 1), (0, 9), (5, 6), (0, 1), (150, 1)]
+    num_blocks = 64
     perm = torch.randperm(num_blocks, generator=g).tolist()  # blocks scattered over the pool
     tables, used = [], 0
     for c, n in shapes:
@@ -57,11 +58,14 @@ def test_paged_attention_matches_dense(impl, heads, kv_heads, head_dim, window, 
     query = torch.randn(starts[-1], heads, head_dim, generator=g)
     computed = [c for c, _ in shapes]
     scaling = head_dim**-0.5
-    got = paged_attention(
-        query, k_cache, v_cache, block_tables=block_tables, query_start=torch.tensor(starts, dtype=torch.int32),
+    kwargs = dict(
+        block_tables=block_tables, query_start=torch.tensor(starts, dtype=torch.int32),
         num_computed=torch.tensor(computed, dtype=torch.int32), block_size=PAGE,
         max_query_len=max(n for _, n in shapes), max_context_len=max(c + n for c, n in shapes), scaling=scaling,
         sliding_window=window, softcap=softcap,
     )  # fmt: skip
     want = _reference(query, k_cache, v_cache, tables, starts, computed, scaling, window, softcap)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(paged_attention(query, k_cache, v_cache, **kwargs), want, rtol=1e-5, atol=1e-5)
+    if impl == "triton":  # split-K: each program's keys over 3 programs, combined by log-sum-exp weights
+        got = paged_attention(query, k_cache, v_cache, num_splits=3, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ def paged_attention(
     scaling: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context.
 
@@ -38,6 +39,8 @@ def paged_attention(
         scaling: the softmax scale (usually ``head_dim ** -0.5``).
         sliding_window: a query at position p sees positions > p - sliding_window only (None: all).
         softcap: ``softcap * tanh(scores / softcap)`` before the softmax (None: off).
+        num_splits: Triton only: split each program's keys over this many programs and combine (split-K), for
+            decode batches too small to fill the GPU. None: chosen from the batch and the GPU's SM count.
 
     Returns:
         (T, heads, head_dim) in ``query``'s dtype. Scores and softmax are fp32.
@@ -45,7 +48,7 @@ def paged_attention(
     if use_triton(query):
         return _paged_attention_triton(
             query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_query_len,
-            scaling, sliding_window, softcap,
+            max_context_len, scaling, sliding_window, softcap, num_splits,
         )  # fmt: skip
     return _paged_attention_torch(
         query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_query_len,
@@ -93,42 +96,56 @@ def _paged_attention_torch(
     return out[query_valid].to(query.dtype)  # (T, nh, hd): valid queries are in token order
 
 
+def _auto_splits(query: torch.Tensor, programs: int, max_q: int, max_ctx: int) -> int:
+    # Split-K only pays for decode batches that leave SMs idle and have long contexts (>= 4 key tiles a split).
+    if max_q != 1 or query.device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    return max(1, min(sms // max(programs, 1), max_ctx // 256, 16))
+
+
 def _paged_attention_triton(
-    query,
-    k_cache,
-    v_cache,
-    block_tables,
-    query_start,
-    num_computed,
-    block_size,
-    max_q,
-    scaling,
-    window,
-    softcap,
-):
+    query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_q, max_ctx, scaling, window,
+    softcap, num_splits,
+):  # fmt: skip
     import triton
 
     from cai.kernels._paged_attention_triton import paged_attention_kernel
 
-    _, nh, hd = query.shape
+    T, nh, hd = query.shape
     S = num_computed.shape[0]
     nkv = k_cache.shape[1]
     group = nh // nkv
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or query.stride(2) != 1:
         raise ValueError("paged_attention needs the head dim contiguous in query, k_cache and v_cache")
-    out = torch.empty_like(query)
     # Rows of a program are BLOCK_M tokens x the group's heads; at least 16 rows (tl.dot's minimum).
     rows_wanted = 64 if max_q > 1 else 16
     block_m = max(1, rows_wanted // group)
     rows = max(16, triton.next_power_of_2(block_m * group))
-    grid = (S, triton.cdiv(max_q, block_m), nkv)
-    paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, query_start, num_computed,
+    m_blocks = triton.cdiv(max_q, block_m)
+    splits = num_splits or _auto_splits(query, S * m_blocks * nkv, max_q, max_ctx)
+    if splits > 1:
+        out = torch.empty(splits, T, nh, hd, dtype=torch.float32, device=query.device)
+        part_m = torch.empty(splits, T, nh, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        o_strides = (out.stride(1), out.stride(2), out.stride(0))
+    else:
+        out = torch.empty_like(query)
+        part_m = part_l = out  # unused
+        o_strides = (out.stride(0), out.stride(1), 0)
+    paged_attention_kernel[(S, m_blocks, nkv * splits)](
+        query, k_cache, v_cache, out, block_tables, query_start, num_computed, part_m, part_l,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0),
-        scaling, window or 0, softcap or 1.0,
+        o_strides[0], o_strides[1], block_tables.stride(0),
+        o_strides[2], part_m.stride(0), part_m.stride(1), nkv, scaling, window or 0, softcap or 1.0, NUM_SPLITS=splits,
         GROUP=group, HEAD_DIM=hd, BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_M=block_m, ROWS=rows,
         BLOCK_N=64 if hd <= 128 else 32, PAGE=block_size, USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
     )  # fmt: skip
-    return out
+    if splits == 1:
+        return out
+    # combine the splits: weights exp(m_split - m_max); a split that saw no key has m = -inf and weight 0
+    m_max = part_m.max(0).values  # (T, nh)
+    w = torch.exp(part_m - torch.where(m_max == float("-inf"), 0.0, m_max))  # (splits, T, nh)
+    denom = (w * part_l).sum(0).clamp_min(torch.finfo(torch.float32).tiny)
+    return ((w[..., None] * out).sum(0) / denom[..., None]).to(query.dtype)
