@@ -13,11 +13,15 @@ _FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),  # q/k/v biases
     # a sliding window shorter than the longest sequence, so the window mask is exercised
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 12}),
-    "gemma": (
-        transformers.GemmaConfig,
-        transformers.GemmaForCausalLM,
-        {"head_dim": 8},
-    ),  # scaled embeddings, GeGLU
+    # scaled embeddings, GeGLU
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 8}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 8}),  # per-head q/k norms
+    # sliding-window and full layers alternating, attention-logit soft-capping
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {"head_dim": 8, "sliding_window": 6, "attn_logit_softcapping": 5.0},
+    ),
 }
 
 

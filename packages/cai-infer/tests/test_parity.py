@@ -1,5 +1,6 @@
-"""Greedy outputs equal transformers' ``generate`` token for token, for four families, under every scheduling regime:
-a mixed-length batch, requests arriving while others decode, forced preemption, prefix sharing, chunked prefill."""
+"""Greedy outputs equal transformers' ``generate`` token for token, for four families under every scheduling regime
+(a mixed-length batch, requests arriving while others decode, forced preemption, prefix sharing, chunked prefill)
+and two more (Qwen3; Gemma2 with soft-capping and alternating sliding windows) under all of them at once."""
 
 from __future__ import annotations
 
@@ -59,8 +60,10 @@ def _reference(tiny_model, family: str, shared: int) -> list[list[int]]:
     return _references[key]
 
 
-@pytest.mark.parametrize("regime", REGIMES, ids=lambda r: r.name)
-@pytest.mark.parametrize("family", FAMILIES)
+CASES = [(f, r) for f in FAMILIES for r in REGIMES] + [(f, REGIMES[-1]) for f in ("qwen3", "gemma2")]
+
+
+@pytest.mark.parametrize(("family", "regime"), CASES, ids=[f"{f}-{r.name}" for f, r in CASES])
 def test_greedy_matches_generate(family, regime, engines, make_model):
     config = InferenceConfig(
         dtype="fp32",
