@@ -99,7 +99,10 @@ class ShardConfig:
     def unsupported(self) -> list[str]:
         """The fields set to a feature this release does not build (optimize() refuses them)."""
         out = []
-        if self.enable_sequence_parallelism:
+        if self.enable_sequence_parallelism and self.sequence_parallelism_mode not in (
+            "all_to_all",
+            "ring_attn",
+        ):
             out.append(f"enable_sequence_parallelism (mode {self.sequence_parallelism_mode!r})")
         for name in ("pipeline_stage_manager", "gradient_checkpoint_config", "ep_group", "moe_dp_group"):
             if getattr(self, name) is not None:

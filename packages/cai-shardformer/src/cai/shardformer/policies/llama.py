@@ -51,6 +51,11 @@ class LlamaPolicy(Policy):
             cfg.vocab_size, tp, self.shard_config.make_vocab_size_divisible_by
         )  # raises with the fix
 
+    def sequence_parallel_attention(self) -> dict[str, str]:
+        """Decoder-layer class name -> its attention submodule: where the all_to_all and ring_attn modes
+        install their attention (see `cai.shardformer._sp_attention`)."""
+        return {f"{self.family}DecoderLayer": "self_attn"}
+
     def preprocess(self) -> nn.Module:
         out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
         self._tied = out is not None and out.weight is inp.weight
