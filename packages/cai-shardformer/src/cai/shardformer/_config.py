@@ -23,7 +23,8 @@ class ShardConfig:
             never gathered); False gathers the logits and leaves the loss to the model.
         enable_fused_normalization: RMSNorm modules become cai-kernels' `RMSNorm` (same weights).
         enable_sequence_parallelism / sequence_parallelism_mode: one of `SUPPORT_SP_MODE`; the mode defaults to
-            "split_gather" when sequence parallelism is on. Validated here; the policies do not apply it yet.
+            "split_gather" when sequence parallelism is on. "all_to_all" (Ulysses) and "ring_attn" run on
+            `sequence_parallel_process_group` (see `cai.shardformer._sp_attention`).
         enable_all_optimization: turns on the fused normalization (the only optimization built).
         enable_flash_attention, enable_jit_fused: accepted for compatibility, no effect; attention runs through
             the model's own attention implementation (SDPA by default in transformers).

@@ -8,8 +8,9 @@ its sp group, and hooks the model's outer forward:
 - in: every rank of the sp group receives the whole batch; the hook keeps this rank's tokens (a contiguous
   block for all_to_all, the zig-zag pair of chunks for ring_attn), with their global position ids, and the
   rank's labels already shifted;
-- out: the loss is summed over the sp group, logits (or the last hidden state) are gathered back into the
-  original token order.
+- out: the loss is summed over the sp group; logits (or the last hidden state) are gathered back into the
+  original token order, except in a training forward with labels and `parallel_output=True` (the default),
+  which returns the loss and `logits=None`.
 
 [Note: the loss over a split sequence]
 Hugging Face shifts labels inside the loss (token t predicts label t+1), which would be wrong at every shard
@@ -116,10 +117,6 @@ def check_sp_attention(
         raise ValueError(
             f"{name}: ring_attn has no attention dropout, but attention_dropout={config.attention_dropout}; set it to 0"
         )
-    if (
-        cfg.sequence_parallel_process_group is None
-    ):  # ShardConfig refuses this too; keep the message in one place
-        raise ValueError(f"sequence_parallelism_mode={mode!r} needs sequence_parallel_process_group")
 
 
 class _GatherSeqKeepGrad(torch.autograd.Function):
@@ -163,9 +160,12 @@ def install_sp_attention(model: nn.Module, cfg: ShardConfig, attention: dict[str
                 f"sequence_parallelism_mode={mode!r} needs return_dict=True outputs (got a tuple)"
             )
         if getattr(output, "loss", None) is not None:
-            output.loss = reduce_from_tp_region(
-                output.loss, group
-            )  # see [Note: the loss over a split sequence]
+            # See [Note: the loss over a split sequence].
+            output.loss = reduce_from_tp_region(output.loss, group)
+            if module.training and cfg.parallel_output:
+                # The loss is all a training step needs: gathering b x s x vocab logits would be the step's
+                # largest collective. As with the vocab-parallel loss, `logits` is then None.
+                output = type(output)(**{k: v for k, v in output.items() if k != "logits"})
         for key in ("logits", "last_hidden_state"):
             value = getattr(output, key, None)
             if value is not None:
