@@ -32,14 +32,19 @@ class Case:
     tp: int = 1
 
 
-def _tiny(family: str, heads: int = HEADS, kv: int = KV, hidden: int = H):
+def _tiny(family: str, heads: int = HEADS, kv: int = KV, hidden: int = H, **extra):
     common = dict(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=LAYERS,
         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64,
     )  # fmt: skip
+    common.update(extra)
     torch.manual_seed(0)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    if family == "qwen2":  # q, k and v with biases
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     # Qwen3: per-head q/k norms, replicated weights whose gradient each rank sees a part of.
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=hidden // heads, **common))
 
@@ -221,6 +226,10 @@ def _errors() -> None:
     _close(
         gathered(model, grads=True), {n: p.grad for n, p in ref.named_parameters()}, "ring_attn 3 heads grad"
     )
+    # A sliding window shorter than the sequence would need a windowed mask across shards: refused.
+    model, _ = ShardFormer(_config("all_to_all")).optimize(_tiny("mistral", sliding_window=S // 2))
+    with pytest.raises(ValueError, match=rf"sliding_window={S // 2} is shorter than the sequence \({S}\)"):
+        model(input_ids=torch.randint(0, VOCAB, (B, S)))
 
 
 def _matrix(cases: list[Case]) -> None:
@@ -237,10 +246,12 @@ FAMILY_MODES = [Case(f, m) for f in ("llama", "qwen3") for m in ("all_to_all", "
 
 @pytest.mark.parametrize("world", [2, 4], ids=["sp2", "sp4"])
 def test_sequence_parallel_matches_one_process(world):
-    """sp = world with tp = 1 for every family and mode; at world 4 also tp = 2 x sp = 2."""
-    cases = FAMILY_MODES + (
-        [Case("llama", m, tp=2) for m in ("all_to_all", "ring_attn")] if world == 4 else []
-    )
+    """sp = world with tp = 1, Llama and Qwen3 in both modes; at world 2 also Mistral and Qwen2, at world 4
+    tp = 2 x sp = 2."""
+    if world == 2:  # the other two Llama-shaped policies, once each
+        cases = [*FAMILY_MODES, Case("mistral", "ring_attn"), Case("qwen2", "all_to_all")]
+    else:
+        cases = [*FAMILY_MODES, *(Case("llama", m, tp=2) for m in ("all_to_all", "ring_attn"))]
     run_distributed(_matrix, world, cases, timeout=600)
 
 
