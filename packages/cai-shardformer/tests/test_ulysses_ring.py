@@ -17,7 +17,15 @@ import transformers
 
 from cai.mesh.testing import CollectiveCounter, assert_close, run_distributed
 from cai.shardformer import ParallelModule, ShardConfig, ShardFormer
-from cai.shardformer._ring_attn import ring_attention, zigzag_indices
+from cai.shardformer._ring_attn import (
+    _block,
+    _block_grad,
+    _flash_block,
+    _flash_block_grad,
+    _merge,
+    ring_attention,
+    zigzag_indices,
+)
 from cai.shardformer._ulysses import ulysses_attention
 
 VOCAB, B, H, LAYERS, HEADS, KV = 251, 2, 32, 2, 4, 2
@@ -261,3 +269,53 @@ def test_sp_mode_without_sequence_group():
             ValueError, match=rf"sequence_parallelism_mode='{mode}' runs on its own.*pass the sp group"
         ):
             ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ring_attention_flash_blocks_on_cuda():
+    """The flash-kernel blocks (bf16 on CUDA) composed as one rank's ring steps: queries of a late chunk see an
+    earlier kv chunk fully and their own causally; merged by log-sum-exp, and each block's backward from the
+    merged output and lse. Against fp32 attention over the union of the keys, and the fp32 math blocks."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, kv, groups, t, d = 2, 2, 3, 128, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").bfloat16()
+
+    q, k1, v1, k2, v2, dout = (
+        rand(b, kv, groups, t, d),
+        rand(b, kv, t, d),
+        rand(b, kv, t, d),
+        rand(b, kv, t, d),
+        rand(b, kv, t, d),
+        rand(b, kv, groups, t, d),
+    )
+    scale = d**-0.5
+    ref_in = [x.float().requires_grad_() for x in (q, k1, v1, k2, v2)]
+    rq, rk1, rv1, rk2, rv2 = ref_in
+    keys = torch.cat([rk1, rk2], 2).repeat_interleave(groups, 1)
+    values = torch.cat([rv1, rv2], 2).repeat_interleave(groups, 1)
+    mask = torch.ones(t, 2 * t, dtype=torch.bool, device="cuda")
+    mask[:, t:] = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
+    ref = F.scaled_dot_product_attention(rq.flatten(1, 2), keys, values, attn_mask=mask, scale=scale)
+    ref.backward(dout.float().flatten(1, 2))
+    for name, block, block_grad in (
+        ("flash", _flash_block, _flash_block_grad),
+        ("math", _block, _block_grad),
+    ):
+        o1, l1 = block(q, k1, v1, scale, False)
+        o2, l2 = block(q, k2, v2, scale, True)
+        out, lse = _merge(o1, l1, o2, l2)
+        out = out.bfloat16()
+        assert_close(out.float().flatten(1, 2), ref.detach(), rtol=2e-2, atol=2e-2, name=f"{name} out")
+        dq1, dk1, dv1 = block_grad(q, k1, v1, dout, out, lse, scale, False)
+        dq2, dk2, dv2 = block_grad(q, k2, v2, dout, out, lse, scale, True)
+        for got, want, what in (
+            (dq1 + dq2, rq.grad, "dq"),
+            (dk1, rk1.grad, "dk1"),
+            (dv1, rv1.grad, "dv1"),
+            (dk2, rk2.grad, "dk2"),
+            (dv2, rv2.grad, "dv2"),
+        ):
+            assert_close(got, want, rtol=2e-2, atol=2e-2, name=f"{name} {what}")

@@ -44,8 +44,9 @@ def zigzag_indices(seq_len: int, rank: int, world: int, device=None) -> torch.Te
 
 
 def _block(q, k, v, scale: float, causal: bool):
-    """Softmax attention of one block. q (B, KV, G, Tq, D); k, v (B, KV, Tk, D) -> out (B, KV, G, Tq, D),
-    lse (B, KV, G, Tq)."""
+    """Softmax attention of one block, in fp32. q (B, KV, G, Tq, D); k, v (B, KV, Tk, D) -> out
+    (B, KV, G, Tq, D), lse (B, KV, G, Tq)."""
+    q, k, v = q.float(), k.float(), v.float()
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale  # (B, KV, G, Tq, Tk)
     if causal:
         s = s.masked_fill(_upper(s.shape[-2], s.shape[-1], s.device), float("-inf"))
@@ -54,9 +55,11 @@ def _block(q, k, v, scale: float, causal: bool):
     return out, lse
 
 
-def _block_grad(q, k, v, dout, lse, delta, scale: float, causal: bool):
-    """Gradients of one block given the final lse and delta = rowsum(dout * out) (see [Note: log-sum-exp
-    merge]). Shapes as `_block`; dk and dv are summed over the G query heads that share each kv head."""
+def _block_grad(q, k, v, dout, out, lse, scale: float, causal: bool):
+    """Gradients of one block given the final out and lse (see [Note: log-sum-exp merge]), in fp32. Shapes as
+    `_block`; dk and dv are summed over the G query heads that share each kv head."""
+    q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
+    delta = (dout * out.float()).sum(-1)  # (B, KV, G, Tq)
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(_upper(s.shape[-2], s.shape[-1], s.device), float("-inf"))
@@ -66,6 +69,52 @@ def _block_grad(q, k, v, dout, lse, delta, scale: float, causal: bool):
     dq = torch.matmul(ds, k.unsqueeze(2)) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
     return dq, dk, dv
+
+
+# [Note: flash blocks]
+# On CUDA in fp16/bf16 each block runs PyTorch's flash-attention kernels instead of the fp32 matmuls: the
+# forward kernel returns the block's output and lse, which merge as above (in fp32), and the backward kernel,
+# given the final output and lse of the rows, returns exactly the block's share of dq, dk, dv, since it forms
+# P = exp(s - lse) and delta = rowsum(dout * out) itself. The kernels want as many kv heads as query heads, so kv
+# heads are repeated G times and their gradients summed back.
+def _use_flash(q: torch.Tensor) -> bool:
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+    )
+
+
+def _heads(q, k, v):
+    b, nkv, g, tq, d = q.shape
+    return q.reshape(b, nkv * g, tq, d), k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+
+def _flash_block(q, k, v, scale: float, causal: bool):
+    b, nkv, g, tq = q.shape[:4]
+    qh, kh, vh = _heads(q, k, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        qh, kh, vh, 0.0, causal, False, scale=scale
+    )[:2]
+    return out.reshape(q.shape).float(), lse[..., :tq].reshape(b, nkv, g, tq)
+
+
+def _flash_block_grad(q, k, v, dout, out, lse, scale: float, causal: bool):
+    b, nkv, g, tq, d = q.shape
+    tk = k.shape[2]
+    qh, kh, vh = _heads(q, k, v)
+    # Dense batches have no cumulative sequence lengths (None, as the forward kernel returns them); dropout is
+    # off, so the philox seed and offset are read by nothing.
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.reshape(qh.shape).contiguous(), qh, kh, vh, out.reshape(qh.shape).contiguous(),
+        lse.reshape(b, nkv * g, tq).contiguous(), None, None, tq, tk, 0.0, causal, seed, offset, scale=scale,
+    )  # fmt: skip
+    dk = dk.float().reshape(b, nkv, g, tk, d).sum(2)
+    dv = dv.float().reshape(b, nkv, g, tk, d).sum(2)
+    return dq.float().reshape(q.shape), dk, dv
 
 
 def _upper(tq: int, tk: int, device) -> torch.Tensor:
@@ -134,19 +183,21 @@ class _RingAttention(torch.autograd.Function):
         qg = q.reshape(b, nkv, h // nkv, t, d)  # (B, KV, G, T, D): the G query heads of each kv head
         ring = _Ring(group)
         kv = torch.stack([k, v]).contiguous()  # one buffer per hop
-        out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        block = _flash_block if _use_flash(q) else _block
+        out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)  # merged in fp32 whatever q's dtype
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         for step in range(world):
             works = None
             if step + 1 < world:
                 nxt, works = ring.start(kv)  # overlap the next hop with this block
             qs, ks, tri = _plan(step, rank, world, causal)
             rows = _row_slice(t, qs)
-            ob, lb = _block(_rows(qg, qs, 3), _rows(kv[0], ks, 2), _rows(kv[1], ks, 2), scale, tri)
+            ob, lb = block(_rows(qg, qs, 3), _rows(kv[0], ks, 2), _rows(kv[1], ks, 2), scale, tri)
             out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], ob, lb)
             if works is not None:
                 ring.wait(works)
                 kv = nxt
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.causal = group, scale, causal
         return out.reshape(b, h, t, d)
@@ -160,20 +211,21 @@ class _RingAttention(torch.autograd.Function):
         nkv = k.shape[1]
         qg = q.reshape(b, nkv, h // nkv, t, d)
         dout = dout.reshape(qg.shape)
-        delta = (dout * out).sum(-1)  # (B, KV, G, T)
+        block_grad = _flash_block_grad if _use_flash(q) else _block_grad
         ring = _Ring(group)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros_like(kv)  # travels with kv: the gradient of the block it rides with, so far
-        dq = torch.zeros_like(qg)
+        # dkv travels with kv: the gradient of the block it rides with, so far (fp32 whatever kv's dtype).
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         for step in range(world):
             kv_works = None
             if step + 1 < world:
                 next_kv, kv_works = ring.start(kv)
             qs, ks, tri = _plan(step, rank, world, causal)
             rows = _row_slice(t, qs)
-            gq, gk, gv = _block_grad(
+            gq, gk, gv = block_grad(
                 _rows(qg, qs, 3), _rows(kv[0], ks, 2), _rows(kv[1], ks, 2),
-                _rows(dout, qs, 3), lse[..., rows], delta[..., rows], scale, tri,
+                _rows(dout, qs, 3), _rows(out, qs, 3), lse[..., rows], scale, tri,
             )  # fmt: skip
             dq[..., rows, :] += gq
             kv_rows = _row_slice(t, ks)
@@ -187,7 +239,7 @@ class _RingAttention(torch.autograd.Function):
             if kv_works is not None:
                 ring.wait(kv_works)
                 kv = next_kv
-        return dq.reshape(b, h, t, d), dkv[0], dkv[1], None, None, None
+        return dq.to(q.dtype).reshape(b, h, t, d), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(
@@ -208,7 +260,8 @@ def ring_attention(
         scale: default 1 / sqrt(D).
 
     Returns (B, H, T, D), this rank's rows of the output. Differentiable; backward passes dK and dV around
-    the ring (see the module's notes).
+    the ring (see the module's notes). On CUDA in fp16/bf16 the blocks run PyTorch's flash-attention kernels
+    (see [Note: flash blocks]); otherwise fp32 matmuls. Partial results merge in fp32 either way.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(
