@@ -27,6 +27,7 @@ from cai.shardformer._ring_attn import (
     zigzag_indices,
 )
 from cai.shardformer._ulysses import ulysses_attention
+from cai.shardformer.policies.llama import LlamaForCausalLMPolicy
 
 VOCAB, B, H, LAYERS, HEADS, KV = 251, 2, 32, 2, 4, 2
 S = 16  # divides by 2 * sp for sp in {2, 4}: the zig-zag split has whole chunks
@@ -234,6 +235,16 @@ def _errors() -> None:
     _close(
         gathered(model, grads=True), {n: p.grad for n, p in ref.named_parameters()}, "ring_attn 3 heads grad"
     )
+
+    # A policy that does not name its attention modules cannot take these modes: refused at optimize().
+    class NoSequenceParallel(LlamaForCausalLMPolicy):
+        def sequence_parallel_attention(self):
+            return None
+
+    with pytest.raises(
+        NotImplementedError, match="NoSequenceParallel does not support sequence_parallelism_mode"
+    ):
+        ShardFormer(_config("ring_attn")).optimize(_tiny("llama"), NoSequenceParallel())
     # A sliding window shorter than the sequence would need a windowed mask across shards: refused.
     model, _ = ShardFormer(_config("all_to_all")).optimize(_tiny("mistral", sliding_window=S // 2))
     with pytest.raises(ValueError, match=rf"sliding_window={S // 2} is shorter than the sequence \({S}\)"):

@@ -41,7 +41,7 @@ class ShardFormer:
         policy.set_shard_config(cfg)  # runs config_sanity_check
         sp_attention = cfg.enable_sequence_parallelism and cfg.sequence_parallelism_mode in ATTENTION_SP_MODES
         if sp_attention:
-            attention = getattr(policy, "sequence_parallel_attention", lambda: None)()
+            attention = policy.sequence_parallel_attention()
             check_sp_attention(model, cfg, attention, type(policy).__name__)
         model = policy.preprocess()
         shared_params = policy.get_shared_params()

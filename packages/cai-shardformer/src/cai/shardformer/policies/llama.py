@@ -52,8 +52,6 @@ class LlamaPolicy(Policy):
         )  # raises with the fix
 
     def sequence_parallel_attention(self) -> dict[str, str]:
-        """Decoder-layer class name -> its attention submodule: where the all_to_all and ring_attn modes
-        install their attention (see `cai.shardformer._sp_attention`)."""
         return {f"{self.family}DecoderLayer": "self_attn"}
 
     def preprocess(self) -> nn.Module:
