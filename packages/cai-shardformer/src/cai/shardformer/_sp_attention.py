@@ -21,10 +21,10 @@ divided by the global count, and their sum, all-reduced in forward with an ident
 unsplit mean; backward from it gives each rank the gradient of its own terms.
 
 [Note: gradients of parameters under sequence parallelism]
-Every parameter is replicated across the sp group and each rank's backward sees only its own tokens, so each
-parameter's gradient is all-reduced (summed) over the sp group as it is produced. After backward every rank
-holds the gradient of the whole sequence, as in one process; a data-parallel wrapper then runs over the dp
-axis only (not over dp x sp).
+Every parameter is replicated across the sp group and each rank's backward sees only its own tokens, so the
+parameters' gradients are all-reduced (summed) over the sp group, in one flat all-reduce when backward ends
+(`_sync_grads`). After backward every rank holds the gradient of the whole sequence, as in one process; a
+data-parallel wrapper then runs over the dp axis only (not over dp x sp).
 """
 
 from __future__ import annotations
@@ -220,12 +220,32 @@ def _split_inputs(kw: dict, mode: str, group, order: list) -> dict:
 
 
 def _sync_grads(model: nn.Module, group) -> None:
-    # See [Note: gradients of parameters under sequence parallelism].
-    def hook(grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
+    """See [Note: gradients of parameters under sequence parallelism]. Each parameter's gradient of this backward
+    is stashed as it arrives; when backward ends, one flat all-reduce sums them all over the group and each
+    `.grad` gets the difference (reduced - own), which is also right when `.grad` already held an earlier
+    micro-batch's (already reduced) gradient."""
+    params = [p for p in model.parameters() if p.requires_grad]  # each shared (tied) parameter once
+    pending: list[tuple[nn.Parameter, torch.Tensor]] = []
 
-    for p in model.parameters():  # each shared (tied) parameter once
-        if p.requires_grad:
-            p.register_hook(hook)
+    def flush() -> None:
+        if not pending:
+            return
+        grads = [g.reshape(-1) for _, g in pending]
+        flat = torch.cat(grads)
+        dist.all_reduce(flat, group=group)
+        for (p, own), reduced in zip(pending, flat.split([g.numel() for g in grads])):
+            if p.grad is not None:  # None only under torch.autograd.grad, which accumulates nothing
+                p.grad.add_(reduced.view_as(own) - own)
+        pending.clear()
+
+    def make_hook(p):
+        def hook(grad):
+            if not pending:  # first gradient of this backward: reduce them all when it ends
+                torch.autograd.Variable._execution_engine.queue_callback(flush)
+            pending.append((p, grad))
+            return grad
+
+        return hook
+
+    for p in params:
+        p.register_hook(make_hook(p))
