@@ -146,32 +146,24 @@ class _Ring:
             w.wait()
 
 
-def _plan(step: int, rank: int, world: int, causal: bool):
-    """Which query rows and key rows of the local blocks meet at `step` (kv from rank - step): (q slice,
-    kv slice, causal triangle?). See [Note: zig-zag layout]."""
-    every = slice(None)
+def _plan(step: int, rank: int, world: int, causal: bool) -> tuple[str, str, bool]:
+    """Which local query rows and which rows of the kv block (from rank - step) meet at `step`: ("all", "first"
+    or "second" half for each) and whether the block is the causal triangle. See [Note: zig-zag layout]."""
     if not causal:
-        return every, every, False
+        return "all", "all", False
     if step == 0:
-        return every, every, True
+        return "all", "all", True
     src = (rank - step) % world
-    return (every, "first", False) if src < rank else ("second", every, False)
+    return ("all", "first", False) if src < rank else ("second", "all", False)
 
 
-def _rows(x: torch.Tensor, which, dim: int) -> torch.Tensor:
-    if which == "first":
-        return x.narrow(dim, 0, x.shape[dim] // 2)
-    if which == "second":
-        return x.narrow(dim, x.shape[dim] // 2, x.shape[dim] // 2)
-    return x
+def _row_slice(n: int, which: str) -> slice:
+    return {"all": slice(0, n), "first": slice(0, n // 2), "second": slice(n // 2, n)}[which]
 
 
-def _row_slice(n: int, which) -> slice:
-    if which == "first":
-        return slice(0, n // 2)
-    if which == "second":
-        return slice(n // 2, n)
-    return slice(0, n)
+def _rows(x: torch.Tensor, which: str, dim: int) -> torch.Tensor:
+    part = _row_slice(x.shape[dim], which)
+    return x.narrow(dim, part.start, part.stop - part.start)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -217,6 +209,7 @@ class _RingAttention(torch.autograd.Function):
         # dkv travels with kv: the gradient of the block it rides with, so far (fp32 whatever kv's dtype).
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
+        dkv_works, next_dkv = None, None
         for step in range(world):
             kv_works = None
             if step + 1 < world:
@@ -228,17 +221,20 @@ class _RingAttention(torch.autograd.Function):
                 _rows(dout, qs, 3), _rows(out, qs, 3), lse[..., rows], scale, tri,
             )  # fmt: skip
             dq[..., rows, :] += gq
+            if dkv_works is not None:  # the accumulator of this step's block, sent during the block's compute
+                ring.wait(dkv_works)
+                dkv = next_dkv
             kv_rows = _row_slice(t, ks)
             dkv[0][..., kv_rows, :] += gk
             dkv[1][..., kv_rows, :] += gv
-            # After `world` hops the accumulator is back at the rank that owns its block.
-            if world > 1:
-                sent = dkv
-                dkv, dkv_works = ring.start(sent)
-                ring.wait(dkv_works)
+            if world > 1:  # the accumulator follows its block; after `world` hops it is back with the owner
+                next_dkv, dkv_works = ring.start(dkv)
             if kv_works is not None:
                 ring.wait(kv_works)
                 kv = next_kv
+        if dkv_works is not None:
+            ring.wait(dkv_works)
+            dkv = next_dkv
         return dq.to(q.dtype).reshape(b, h, t, d), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
