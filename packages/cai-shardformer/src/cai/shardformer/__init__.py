@@ -20,8 +20,10 @@ from cai.shardformer._ops import (
     scatter_to_tp_region,
 )
 from cai.shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
+from cai.shardformer._ring_attn import ring_attention, zigzag_indices
 from cai.shardformer._shardformer import ShardFormer, shard_model
 from cai.shardformer._state import load_sharded_state_dict, sharded_state_dict
+from cai.shardformer._ulysses import ulysses_attention
 
 __version__ = _version("cai-shardformer")
 
@@ -47,8 +49,11 @@ __all__ = [
     "reduce_from_tp_region",
     "reduce_grad",
     "reduce_scatter_seq",
+    "ring_attention",
     "scatter_to_tp_region",
     "shard_model",
     "sharded_state_dict",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
+    "zigzag_indices",
 ]

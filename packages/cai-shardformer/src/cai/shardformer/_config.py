@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 SUPPORT_SP_MODE = ("split_gather", "ring", "all_to_all", "ring_attn")
-BUILT_SP_MODES = ("split_gather", "ring")  # the modes optimize() applies; the others are refused for now
+BUILT_SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")  # the modes optimize() applies
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class ShardConfig:
         enable_fused_normalization: RMSNorm modules become cai-kernels' `RMSNorm` (same weights).
         enable_sequence_parallelism / sequence_parallelism_mode: one of `SUPPORT_SP_MODE`; the mode defaults to
             "split_gather" when sequence parallelism is on. split_gather and ring split the sequence over the tp
-            group (the sp group is the tp group); a policy applies the modes it lists in `sequence_parallel_modes`.
+            group (the sp group is the tp group); "all_to_all" (Ulysses) and "ring_attn" run on
+            `sequence_parallel_process_group` (see `cai.shardformer._sp_attention`). A policy applies the modes
+            it lists in `sequence_parallel_modes`.
         enable_all_optimization: turns on the fused normalization (the only optimization built).
         enable_flash_attention, enable_jit_fused: accepted for compatibility, no effect; attention runs through
             the model's own attention implementation (SDPA by default in transformers).

@@ -127,6 +127,11 @@ class Policy(ABC):
     @abstractmethod
     def postprocess(self) -> nn.Module: ...
 
+    def sequence_parallel_attention(self) -> dict[str, str] | None:
+        """For the all_to_all and ring_attn sequence-parallel modes: decoder-layer class name -> path of its
+        attention submodule, which must call transformers' attention interface. None: not supported."""
+        return None
+
     def get_shared_params(self) -> list[dict[int, nn.Parameter]]:
         """Parameters shared across pipeline stages; none without pipeline parallelism."""
         return []

@@ -28,7 +28,7 @@ class LlamaPolicy(Policy):
     """The decoder layers and the embedding. `family` is the Hugging Face class-name prefix."""
 
     family = "Llama"
-    sequence_parallel_modes = ("split_gather", "ring")
+    sequence_parallel_modes = ("split_gather", "ring", "all_to_all", "ring_attn")
 
     def config_sanity_check(self) -> None:
         tp = self.shard_config.tensor_parallel_size
@@ -53,6 +53,9 @@ class LlamaPolicy(Policy):
         padded_vocab(
             cfg.vocab_size, tp, self.shard_config.make_vocab_size_divisible_by
         )  # raises with the fix
+
+    def sequence_parallel_attention(self) -> dict[str, str]:
+        return {f"{self.family}DecoderLayer": "self_attn"}
 
     def preprocess(self) -> nn.Module:
         out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
