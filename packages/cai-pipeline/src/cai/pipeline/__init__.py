@@ -2,6 +2,8 @@
 
 from importlib.metadata import version as _version
 
+from cai.pipeline._stage import Batch, Criterion, Hidden, Stage, StageOutput
+
 __version__ = _version("cai-pipeline")
 
-__all__ = ["__version__"]
+__all__ = ["Batch", "Criterion", "Hidden", "Stage", "StageOutput", "__version__"]
