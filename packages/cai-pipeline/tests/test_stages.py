@@ -231,3 +231,27 @@ def test_errors_name_the_values() -> None:
         ValueError, match=r"expected the previous stage's \{'hidden_states': \.\.\.\}, got None"
     ):
         stage(None, batch_for())
+
+
+def test_activation_checkpointing_recomputes_with_the_received_input() -> None:
+    """Under Hugging Face's gradient checkpointing a block's recomputation must see the received hidden states,
+    not the placeholder path (Gemma scales it)."""
+    torch.manual_seed(0)
+    model, _ = tiny("gemma", False)
+    batch = batch_for()
+    model(**batch).loss.backward()
+    piped = copy.deepcopy(model)
+    piped.zero_grad()
+    piped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    piped.train()
+    first, last = (split_model(piped, slot=s, num_slots=2) for s in range(2))
+    sent = first(None, batch)["hidden_states"]
+    received = sent.detach().requires_grad_()
+    last({"hidden_states": received}, batch)["loss"].backward()
+    sent.backward(received.grad)
+    assert_close(
+        {n: p.grad for n, p in piped.named_parameters()},
+        {n: p.grad for n, p in model.named_parameters()},
+        rtol=1e-5,
+        atol=1e-7,
+    )
