@@ -2,6 +2,32 @@
 
 from importlib.metadata import version as _version
 
+from cai.pipeline._p2p import PipelineP2P
+from cai.pipeline._plan import Action
+from cai.pipeline._schedules import (
+    GPipeSchedule,
+    InterleavedSchedule,
+    OneForwardOneBackwardSchedule,
+    PipelineSchedule,
+    ZeroBubbleVPipeScheduler,
+    build_schedule,
+    split_batch,
+)
+from cai.pipeline._timeline import Event, Timeline
+
 __version__ = _version("cai-pipeline")
 
-__all__ = ["__version__"]
+__all__ = [
+    "Action",
+    "Event",
+    "GPipeSchedule",
+    "InterleavedSchedule",
+    "OneForwardOneBackwardSchedule",
+    "PipelineP2P",
+    "PipelineSchedule",
+    "Timeline",
+    "ZeroBubbleVPipeScheduler",
+    "__version__",
+    "build_schedule",
+    "split_batch",
+]
