@@ -13,18 +13,24 @@ from cai.pipeline._schedules import (
     build_schedule,
     split_batch,
 )
+from cai.pipeline._stage import Batch, Criterion, Hidden, Stage, StageOutput
 from cai.pipeline._timeline import Event, Timeline
 
 __version__ = _version("cai-pipeline")
 
 __all__ = [
     "Action",
+    "Batch",
+    "Criterion",
     "Event",
     "GPipeSchedule",
+    "Hidden",
     "InterleavedSchedule",
     "OneForwardOneBackwardSchedule",
     "PipelineP2P",
     "PipelineSchedule",
+    "Stage",
+    "StageOutput",
     "Timeline",
     "ZeroBubbleVPipeScheduler",
     "__version__",
