@@ -5,6 +5,7 @@ One spawn per pipeline size runs the whole matrix (schedules x micro-batch count
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import pytest
@@ -215,3 +216,91 @@ def _bad_input_on_two_stages():
         one.forward_backward_step(chunks[:1], iter([batch]), _criterion)
     assert all(p.grad is None for c in chunks for p in c.parameters())
     return True
+
+
+# ---- bubble: a deterministic cost model of sleeps ----------------------------------------------------------------
+# One chunk's forward, input-gradient or weight-gradient at two chunks per stage, in seconds: 20 times the runtime's
+# own cost per action (measured with no sleeps) so that it stays within the 10% tolerance, at least 3 ms.
+MIN_UNIT, MAX_UNIT = 0.003, 0.03
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose backward sleeps: costs a backward on the path it sits on, and only there."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+class SleepStage(nn.Module):
+    """F sleeps ``f``; B (input gradient) and W (weight gradient) sleep ``b`` each, on their own autograd paths."""
+
+    def __init__(self, f: float, b: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(WIDTH))
+        self.u = nn.Parameter(torch.ones(WIDTH))  # the first stage's input gradient path ends here
+        self.f, self.b = f, b
+
+    def forward(self, hidden, batch):
+        time.sleep(self.f)
+        h = _Sleep.apply(batch["x"] * self.u if hidden is None else hidden["h"], self.b)
+        return {"h": h * _Sleep.apply(self.w, self.b)}
+
+
+def _overhead_per_action(pp: int) -> float:
+    schedule = build_schedule("1f1b", num_microbatches=2 * pp)
+    batch = {"x": torch.ones(2 * pp, WIDTH)}
+    stage = SleepStage(0.0, 0.0)
+    spans = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        schedule.forward_backward_step(stage, iter([batch]), lambda out, _b: out["h"].mean())
+        spans.append(time.perf_counter() - t0)
+    per = torch.tensor([min(spans) / (2 * 2 * pp)])
+    dist.all_reduce(per, op=dist.ReduceOp.MAX)
+    return per.item()
+
+
+def _bubble_table(pp: int):
+    unit = min(max(20 * _overhead_per_action(pp), MIN_UNIT), MAX_UNIT)
+    rows = []
+    for name, m in [("gpipe", 2 * pp), ("1f1b", pp), ("1f1b", 2 * pp), ("interleaved", pp), ("interleaved", 2 * pp),
+                    ("zbv", pp), ("zbv", 2 * pp)]:
+        schedule = build_schedule(name, num_microbatches=m, record_timeline=True)
+        c = 1 if name in ("gpipe", "1f1b") else 2
+        chunks = [SleepStage(2 * unit / c, 2 * unit / c) for _ in range(c)]
+        batch = {"x": torch.ones(m, WIDTH)}
+        measured = []
+        for _ in range(3):  # the first step also exchanges metadata; keep the least disturbed of the others
+            schedule.forward_backward_step(chunks, iter([batch]), lambda out, _b: out["h"].mean())
+            timeline = schedule.timeline.gather()
+            measured.append(timeline.bubble_fraction())
+        text = f"unit {unit * 1e3:.1f} ms\n" + timeline.text(60) if (name, m) == ("zbv", 2 * pp) else ""
+        rows.append((name, m, min(measured[1:]), text))
+    return rows
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_measured_bubble_follows_the_schedules(pp, tmp_path):
+    for attempt in range(3):  # sleeps on a loaded 2-core host: retry a measurement a late wake-up spoiled
+        rows = run_distributed(_bubble_table, pp, pp)[0]
+        got = {(n, m): b for n, m, b, _ in rows}
+        print(f"\npp={pp}|   schedule|  m|measured|(p-1)/(m+p-1)|(p-1)/(2m+p-1)")
+        for n, m, b, _ in rows:
+            print(f"pp={pp}|{n:>11}|{m:>3}|{b:8.3f}|{(pp - 1) / (m + pp - 1):13.3f}|{(pp - 1) / (2 * m + pp - 1):.3f}")
+        print(next(t for *_, t in rows if t))
+        ok = all(
+            abs(got[("1f1b", m)] - (pp - 1) / (m + pp - 1)) <= 0.1 * (pp - 1) / (m + pp - 1)
+            # interleaving two chunks halves the bubble's time: (p-1)/2 chunk-pairs of idle per stage
+            and abs(got[("interleaved", m)] - (pp - 1) / (2 * m + pp - 1)) <= 0.1 * (pp - 1) / (2 * m + pp - 1)
+            for m in (pp, 2 * pp)
+        ) and got[("zbv", 2 * pp)] < got[("1f1b", 2 * pp)] / 4
+        if ok:
+            break
+    assert ok, got

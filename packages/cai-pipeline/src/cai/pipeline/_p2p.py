@@ -5,10 +5,12 @@ A message is one pytree. Its metadata (tree structure, each tensor's shape, dtyp
 non-tensor leaves themselves) is pickled and compared with the last metadata sent on the same stream, a stream
 being (peer, direction): activations forward and gradients backward are two streams even between the same two
 ranks (the zero-bubble V sends both ways on one pair). Every message starts with an 8-byte header holding the
-length of new metadata, or 0 when the receiver's cached copy is still right; then the metadata bytes when new; then
-the tensors, all posted in one ``batch_isend_irecv``. The receiver needs two waits (header, then tensors; three when
-the metadata changed), because it cannot size its buffers before it knows the shapes: the cost of letting shapes
-change between micro-batches without a wrong-sized receive (an error on gloo, a hang on NCCL).
+length of new metadata, or 0 when the receiver's cached copy is still right. Both sides know whether the stream has
+carried metadata before, so in the steady state the receiver posts the header and the tensors (shaped by its cache)
+in one ``batch_isend_irecv`` and the message costs one wait. When the metadata changes, the sender first sends
+tensors of the old shapes (zeros; the receiver has already posted receives for them and drops them), then the new
+metadata, then the real tensors: a change costs one wasted payload, never a wrong-sized receive (an error on gloo,
+a hang on NCCL). The first message on a stream is header, metadata and tensors, received in three waits.
 
 Messages between a pair of ranks are matched in the order they were sent (NCCL ignores tags), so a receiver must
 take them in the sender's order; :class:`~cai.pipeline._runtime` knows every rank's plan and receives messages that
@@ -54,6 +56,10 @@ def _describe(tree: Any) -> tuple[list[torch.Tensor], _Meta]:
     return tensors, _Meta(spec, metas)
 
 
+def _tensor_metas(meta: _Meta) -> list[TensorMeta]:
+    return [m for m in meta.leaves if isinstance(m, TensorMeta)]
+
+
 def _rebuild(meta: _Meta, tensors: list[torch.Tensor]) -> Any:
     it = iter(tensors)
     leaves = [next(it) if isinstance(m, TensorMeta) else m for m in meta.leaves]
@@ -87,7 +93,7 @@ class PipelineP2P:
             )
         self.device = device or torch.device("cpu")
         self.enable_metadata_cache = enable_metadata_cache
-        self._sent_meta: dict[tuple[int, Direction], bytes] = {}
+        self._sent_meta: dict[tuple[int, Direction], tuple[bytes, _Meta]] = {}
         self._recv_meta: dict[tuple[int, Direction], _Meta] = {}
         self._pending: list[tuple[list[Any], list[torch.Tensor]]] = []
         self.bytes_sent: dict[tuple[int, Direction], int] = {}  # tensor payload only, per stream
@@ -101,48 +107,51 @@ class PipelineP2P:
         tensors = [t.detach().contiguous() for t in tensors]
         blob = pickle.dumps(meta)
         key = (peer, direction)
-        new = not self.enable_metadata_cache or self._sent_meta.get(key) != blob
-        header = torch.tensor([len(blob) if new else 0], dtype=torch.int64, device=self.device)
-        bufs = [header]
-        if new:
-            self._sent_meta[key] = blob
-            self.metadata_sent += 1
+        old = self._sent_meta.get(key) if self.enable_metadata_cache else None
+        bufs = []
+        if old is not None and old[0] == blob:
+            bufs.append(torch.zeros(1, dtype=torch.int64, device=self.device))
+        else:
+            bufs.append(torch.tensor([len(blob)], dtype=torch.int64, device=self.device))
+            if old is not None:  # the receiver posted receives shaped by the old metadata: fill them
+                bufs += [torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in _tensor_metas(old[1])]
             bufs.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device))
+            self._sent_meta[key] = (blob, meta)
+            self.metadata_sent += 1
         bufs += tensors
         dst = self._global(peer)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, b, dst, self.group) for b in bufs])
         self._pending.append((works, bufs))
-        self.bytes_sent[key] = self.bytes_sent.get(key, 0) + sum(
-            t.numel() * t.element_size() for t in tensors
-        )
+        self.bytes_sent[key] = self.bytes_sent.get(key, 0) + sum(t.numel() * t.element_size() for t in tensors)
         self._reap()
 
     def recv(self, peer: int, direction: Direction) -> Any:
         src = self._global(peer)
-        header = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, src, self.group)]))
         key = (peer, direction)
+        meta = self._recv_meta.get(key) if self.enable_metadata_cache else None
+        header = torch.empty(1, dtype=torch.int64, device=self.device)
+        tensors = self._alloc(meta) if meta is not None else []
+        self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, src, self.group) for b in [header, *tensors]]))
         n = int(header.item())
         if n:
             blob = torch.empty(n, dtype=torch.uint8, device=self.device)
             self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, blob, src, self.group)]))
-            self._recv_meta[key] = pickle.loads(blob.cpu().numpy().tobytes())
-        meta = self._recv_meta.get(key)
-        if meta is None:
+            meta = pickle.loads(blob.cpu().numpy().tobytes())
+            self._recv_meta[key] = meta
+            tensors = self._alloc(meta)
+            if tensors:
+                self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src, self.group) for t in tensors]))
+        elif meta is None:
             raise RuntimeError(
                 f"PipelineP2P: rank {peer} sent a {direction} message without metadata and none is cached; the two "
                 "ranks disagree on enable_metadata_cache or on the message order"
             )
-        tensors = [
-            torch.empty(m.shape, dtype=m.dtype, device=self.device)
-            for m in meta.leaves
-            if isinstance(m, TensorMeta)
-        ]
-        if tensors:
-            self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src, self.group) for t in tensors]))
-        for t, m in zip(tensors, (m for m in meta.leaves if isinstance(m, TensorMeta)), strict=True):
+        for t, m in zip(tensors, _tensor_metas(meta), strict=True):
             t.requires_grad_(m.requires_grad)
         return _rebuild(meta, tensors)
+
+    def _alloc(self, meta: _Meta) -> list[torch.Tensor]:
+        return [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in _tensor_metas(meta)]
 
     @staticmethod
     def _wait(works: list[Any]) -> None:

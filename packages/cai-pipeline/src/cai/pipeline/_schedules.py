@@ -58,21 +58,21 @@ def split_batch(
 def _pp_group(stage_manager: Any) -> dist.ProcessGroup | None:
     if stage_manager is None or isinstance(stage_manager, dist.ProcessGroup):
         return stage_manager
-    group = getattr(stage_manager, "pp_group", None)
-    if group is None:
+    get = getattr(stage_manager, "get_p2p_process_group", None)
+    if get is None:
         raise TypeError(
-            f"pipeline schedule: stage_manager must be a ProcessGroup over the pipeline stages, None (the default "
-            f"group) or an object with a pp_group attribute; got {type(stage_manager).__name__}"
+            f"pipeline schedule: stage_manager must be a PipelineStageManager, a ProcessGroup over the pipeline "
+            f"stages or None (the default group); got {type(stage_manager).__name__}"
         )
-    return group
+    return get()
 
 
 class PipelineSchedule:
     """A schedule: which forward and backward each stage runs in which order, executed by one runtime.
 
     Args:
-        stage_manager: the pipeline process group (rank r of the group is stage r), None for the default group, or
-            an object with a ``pp_group`` attribute (cai-pipeline's stage manager).
+        stage_manager: a :class:`PipelineStageManager` (its ``get_p2p_process_group()``), or the pipeline process
+            group itself (rank r of the group is stage r), or None for the default group.
         num_microbatches / microbatch_size: exactly one of them.
         num_model_chunks: model chunks per stage (virtual stages).
         enable_metadata_cache: send tensor metadata only when it changes (see [Note: P2P messages and the metadata
@@ -81,7 +81,7 @@ class PipelineSchedule:
             :attr:`timeline` (this stage's events; ``timeline.gather(group)`` collects all stages).
     """
 
-    num_model_chunks_required: int | None = 1
+    v_layout = False  # chunk 1 of stage s is virtual stage 2S-1-s (the stage manager's use_zbv)
 
     def __init__(
         self,
@@ -106,6 +106,17 @@ class PipelineSchedule:
         distributed = dist.is_available() and dist.is_initialized()
         self.num_stages = dist.get_world_size(self.group) if distributed else 1
         self.stage = dist.get_rank(self.group) if distributed else 0
+        manager_chunks = getattr(stage_manager, "num_model_chunks", num_model_chunks)
+        if manager_chunks != num_model_chunks:
+            raise ValueError(
+                f"{name}: the stage manager has num_model_chunks={manager_chunks}, the schedule runs "
+                f"{num_model_chunks} chunks per stage; build both with the same count"
+            )
+        if getattr(stage_manager, "use_zbv", self.v_layout) != self.v_layout:
+            raise ValueError(
+                f"{name}: the stage manager's use_zbv={stage_manager.use_zbv} does not match the schedule; the V "
+                "layout (use_zbv=True) goes with ZeroBubbleVPipeScheduler only"
+            )
         self.num_microbatches = num_microbatches
         self.microbatch_size = microbatch_size
         self.num_model_chunks = num_model_chunks
@@ -149,6 +160,8 @@ class PipelineSchedule:
         attribute scales the loss. Returns ``{"loss": mean over micro-batches (every stage gets it), "outputs": the
         last stage's outputs concatenated over micro-batches, None elsewhere}``.
         """
+        if isinstance(getattr(model_chunks, "chunks", None), nn.ModuleList):  # a PipelineModel
+            model_chunks = model_chunks.chunks
         chunks = (
             list(model_chunks) if isinstance(model_chunks, (list, tuple, nn.ModuleList)) else [model_chunks]
         )
@@ -264,6 +277,8 @@ class ZeroBubbleVPipeScheduler(PipelineSchedule):
     simulation); by default it is built by :func:`cai.pipeline._plan.zero_bubble_v`. Colossal-AI's ScheduledNode
     lists are not accepted.
     """
+
+    v_layout = True
 
     def __init__(
         self,
