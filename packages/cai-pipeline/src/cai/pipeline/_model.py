@@ -74,6 +74,18 @@ class PipelineModel(nn.Module):
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self._tied_group)
 
+    def global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every chunk's parameters under the full model's names, each parameter once (a tied weight shared by two
+        chunks of this rank under its first name, the embedding's)."""
+        seen: set[int] = set()
+        out = []
+        for chunk in self.chunks:
+            for name, p in chunk.global_named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
+
     def sharded_state_dict(self) -> dict[str, LocalShard]:
         """Every chunk's parameters and persistent buffers under the full model's names (the state protocol)."""
         out: dict[str, LocalShard] = {}

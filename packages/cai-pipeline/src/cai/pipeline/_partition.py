@@ -60,7 +60,7 @@ def piece_costs(
     # A tied head shares its weight with the embedding, but the last stage holds a copy of it: count it again.
     last = PieceCost(
         sum(2.0 * _matmul_weights(m) for m in tail),
-        sum(sum(p.numel() for p in m.parameters(remove_duplicate=False)) for m in tail),
+        sum(sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False)) for m in tail),
     )
     return first, per_block, last
 

@@ -205,6 +205,10 @@ class PipelineStage(nn.Module):
             return f"{prefix}{int(index) + self.layer_range[0]}.{rest}"
         return name
 
+    def global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This stage's parameters under the full model's names (for optimizers' checkpoints and comparisons)."""
+        return [(self._global_name(n), p) for n, p in self.module.named_parameters()]
+
     def _entries(self) -> list[tuple[str, str, torch.Tensor]]:
         """(global name reported, global name read, tensor) for every parameter and persistent buffer."""
         out = []
@@ -322,6 +326,6 @@ def split_model(
         slot=slot,
         num_slots=num_slots,
         layer_range=(start, end),
-        tied=tied if last else {},
+        tied=tied,
         config=config,
     )
