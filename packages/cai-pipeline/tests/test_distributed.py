@@ -128,12 +128,23 @@ def _reference(family: str, tie: bool) -> dict:
     return {"losses": losses, "params": dict(model.named_parameters(remove_duplicate=False))}
 
 
-TRAIN_CASES = [(f, t, lay) for f in ("llama", "gpt2") for t in (True, False) for lay in LAYOUTS]
+ONE_F_ONE_B, INTERLEAVED, V = LAYOUTS
+# The schedules' own tests train Llama under 1F1B and interleaved; these add the V layout (the tied weight shared by
+# rank 0's two chunks) and GPT-2 (position embeddings on the first stage only).
+TRAIN_CASES = [
+    ("llama", True, ONE_F_ONE_B),
+    ("llama", True, INTERLEAVED),
+    ("llama", True, V),
+    ("llama", False, V),
+    ("gpt2", True, INTERLEAVED),
+    ("gpt2", False, ONE_F_ONE_B),
+]
+DP_CASES = [("llama", True, ONE_F_ONE_B)]
 
 
 def _train_matrix(pp: int, dp: int) -> list[dict]:
     mesh = ParallelDims(pp=pp, dp=dp).build_mesh()
-    cases = TRAIN_CASES if dp == 1 else [("llama", True, LAYOUTS[0])]
+    cases = TRAIN_CASES if dp == 1 else DP_CASES
     return [_train(f, t, mesh, lay) for f, t, lay in cases]
 
 
@@ -168,12 +179,21 @@ def test_training_with_tied_embeddings_matches_one_process() -> None:
     _check_training(results, TRAIN_CASES, 2)
 
 
-def _save(path: str, tie: bool) -> None:
+def test_tied_embeddings_with_data_parallel_replicas() -> None:
+    # pp 2 x dp 2: each data-parallel replica sums its tied gradients over its own first-last group.
+    results = run_distributed(_train_matrix, 4, 2, 2, timeout=300)
+    _check_training(results, DP_CASES, 2)
+
+
+def _save(cases: list[tuple[str, bool]]) -> None:
     mesh = ParallelDims(pp=2).build_mesh()
-    torch.manual_seed(7)
-    model, _ = _st.tiny("llama", tie)
-    pm = build_stages(model, PipelineStageManager(mesh, "pp"))
-    ckpt.save_model(pm, path, size_per_shard=0.01)  # several files: each rank writes some
+    manager = PipelineStageManager(mesh, "pp")
+    for path, tie in cases:
+        torch.manual_seed(7)
+        model, _ = _st.tiny("llama", tie)
+        ckpt.save_model(
+            build_stages(model, manager), path, size_per_shard=0.01
+        )  # several files: each rank writes some
 
 
 def _load_pp4(cases: list[tuple[str, bool]]) -> list[dict]:
@@ -194,8 +214,7 @@ def _load_pp4(cases: list[tuple[str, bool]]) -> list[dict]:
 
 def test_checkpoint_pp2_loads_at_pp4_in_one_process_and_from_pretrained(tmp_path) -> None:
     cases = [(str(tmp_path / "tied"), True), (str(tmp_path / "untied"), False)]
-    for path, tie in cases:
-        run_distributed(_save, 2, path, tie)
+    run_distributed(_save, 2, cases)
     per_rank = run_distributed(_load_pp4, 4, cases, timeout=300)
     for i, (path, tie) in enumerate(cases):
         torch.manual_seed(7)
