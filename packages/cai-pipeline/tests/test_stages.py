@@ -49,6 +49,10 @@ def tiny(
     elif family == "qwen2":  # sliding-window layers after the first two: layer_types must follow the blocks
         cfg = transformers.Qwen2Config(use_sliding_window=True, sliding_window=3, max_window_layers=2, **dec)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=5, **dec))
+    elif family == "qwen3":  # per-head q/k norms
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **dec))
     elif family == "gemma":  # scales the embeddings by sqrt(hidden) inside the model's forward
         model = transformers.GemmaForCausalLM(transformers.GemmaConfig(head_dim=8, **dec))
     else:
@@ -78,10 +82,8 @@ class Case:
         return f"{self.family}-{'tied' if self.tie else 'untied'}-pp{self.pp}"
 
 
-CASES = [
-    Case(f, t, pp)
-    for f, t, pp in itertools.product(("llama", "qwen2", "gemma", "gpt2"), (False, True), (2, 4))
-]
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
+CASES = [Case(f, t, pp) for f, t, pp in itertools.product(FAMILIES, (False, True), (2, 4))]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
