@@ -53,6 +53,11 @@ def tiny(
         model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=5, **dec))
     elif family == "qwen3":  # per-head q/k norms
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **dec))
+    elif family == "gemma2":  # alternating sliding and full layers, indexed by position in the block list
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(head_dim=8, sliding_window=4, **dec))
+    elif family == "mixtral":  # a mixture of experts in every block
+        cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **dec)
+        model = transformers.MixtralForCausalLM(cfg)
     elif family == "gemma":  # scales the embeddings by sqrt(hidden) inside the model's forward
         model = transformers.GemmaForCausalLM(transformers.GemmaConfig(head_dim=8, **dec))
     else:
@@ -82,7 +87,7 @@ class Case:
         return f"{self.family}-{'tied' if self.tie else 'untied'}-pp{self.pp}"
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "gpt2")
 CASES = [Case(f, t, pp) for f, t, pp in itertools.product(FAMILIES, (False, True), (2, 4))]
 
 
