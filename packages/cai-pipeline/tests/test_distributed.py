@@ -18,7 +18,7 @@ import transformers
 import cai.ckpt as ckpt
 from cai.mesh import ParallelDims
 from cai.mesh.testing import assert_close, run_distributed
-from cai.pipeline import PipelineStageManager, build_stages
+from cai.pipeline import LocalState, PipelineStageManager, build_stages, split_model
 from cai.pipeline._manager import slot_of
 
 # The tiny models and batches of the one-process tests.
@@ -241,6 +241,37 @@ def test_checkpoint_pp2_loads_at_pp4_in_one_process_and_from_pretrained(tmp_path
         assert_close(hf.state_dict(), expected, rtol=0, atol=0, name=f"from_pretrained {path}")
         batch = _st.batch_for()
         assert_close(hf(**batch).logits, saved(**batch).logits, rtol=1e-6)
+
+
+def _tp_pp_save(path: str) -> tuple[float, float]:
+    from cai.shardformer import ShardConfig, ShardFormer, load_sharded_state_dict, sharded_state_dict
+
+    mesh = ParallelDims(pp=2, tp=2).build_mesh()
+    torch.manual_seed(7)
+    model, _ = _st.tiny("llama", True)
+    batch = _st.batch_for()
+    expected = model(**batch).loss.item()
+    sharded, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=mesh.group("tp"))).optimize(model)
+    sharded.eval()
+    # The tp model's two stages composed on this rank give the unsharded loss.
+    first, last = (split_model(sharded, slot=s, num_slots=2) for s in range(2))
+    got = last(first(None, batch), batch)["loss"].item()
+    state = LocalState(sharded_state_dict, load_sharded_state_dict)
+    pm = build_stages(sharded, PipelineStageManager(mesh, "pp"), local_state=state)
+    ckpt.save_model(pm, path)  # each rank's tp block of its stage's tensors
+    return expected, got
+
+
+def test_tp2_pp2_stages_save_the_hugging_face_layout(tmp_path) -> None:
+    path = str(tmp_path / "tp2pp2")
+    for expected, got in run_distributed(_tp_pp_save, 4, path, timeout=300):
+        assert got == pytest.approx(expected, rel=1e-6)
+    torch.manual_seed(7)
+    saved, _ = _st.tiny("llama", True)
+    torch.manual_seed(99)
+    one, _ = _st.tiny("llama", True)
+    ckpt.load_model(one, path)
+    assert_close(one.state_dict(), saved.state_dict(), rtol=0, atol=0, name="tp2 x pp2 -> one process")
 
 
 def _manager_checks() -> dict:

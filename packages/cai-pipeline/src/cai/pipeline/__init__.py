@@ -22,7 +22,7 @@ from cai.pipeline._schedules import (
     build_schedule,
     split_batch,
 )
-from cai.pipeline._split import PipelineStage, split_model
+from cai.pipeline._split import LocalState, PipelineStage, split_model
 from cai.pipeline._stage import Batch, Criterion, Hidden, Stage, StageOutput
 from cai.pipeline._timeline import Event, Timeline
 
@@ -36,6 +36,7 @@ __all__ = [
     "GPipeSchedule",
     "Hidden",
     "InterleavedSchedule",
+    "LocalState",
     "OneForwardOneBackwardSchedule",
     "PipelineLayout",
     "PipelineModel",

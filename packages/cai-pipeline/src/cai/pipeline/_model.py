@@ -20,7 +20,7 @@ from torch import nn
 from cai.mesh import LocalShard, ShardSpec
 from cai.pipeline._layout import PipelineLayout, layout_from_pp_plan
 from cai.pipeline._manager import PipelineStageManager
-from cai.pipeline._split import PipelineStage, split_model
+from cai.pipeline._split import LocalState, PipelineStage, split_model
 from cai.pipeline._stage import Batch, Hidden, StageOutput
 
 __all__ = ["PipelineModel", "build_stages"]
@@ -104,6 +104,7 @@ def build_stages(
     *,
     layout: PipelineLayout | None = None,
     layers_per_stage: Sequence[int] | None = None,
+    local_state: LocalState | None = None,
 ) -> PipelineModel:
     """Split ``model`` into this rank's chunks (collective: every rank of the world calls it).
 
@@ -115,6 +116,8 @@ def build_stages(
         layers_per_stage: blocks per slot, in slot order (default: ``manager.distribute_layers``, which uses the
             manager's ``num_layers_per_stage`` when given); ``balance_layers(model, manager.num_slots)`` balances
             them by cost.
+        local_state: how the stages report their tensors for checkpoints (default: whole tensors; a
+            tensor-parallel model passes cai-shardformer's functions, see ``LocalState``).
 
     Example::
 
@@ -135,6 +138,7 @@ def build_stages(
             layers_per_stage=counts,
             layout=layout,
             keep_tied=0 in slots,
+            local_state=local_state,
         )
         for s in slots
     ]

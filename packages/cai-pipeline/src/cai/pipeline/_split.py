@@ -20,19 +20,22 @@ stage's entries of ``layer_types``, since some models index it by the position i
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from cai.mesh import LocalShard, ShardSpec
+from cai.mesh import LocalShard, Read, ShardSpec
 from cai.pipeline._layout import PipelineLayout, layout_from_pp_plan
 from cai.pipeline._manager import check_layers_per_stage, distribute_layers
 from cai.pipeline._stage import Batch, Hidden, StageOutput
 
-__all__ = ["PipelineStage", "split_model"]
+__all__ = ["LocalState", "PipelineStage", "split_model"]
 
 
 class _AbsentEmbedding(nn.Module):
@@ -103,6 +106,23 @@ def _stand_in(module: nn.Module) -> nn.Module:
     return _Absent()
 
 
+@contextlib.contextmanager
+def _process_groups_by_reference() -> Iterator[None]:
+    """Inside the block, deepcopy returns a ProcessGroup itself: a group is a handle to a communicator that the
+    copy must share (a tensor-parallel model's hooks and loss hold theirs), and deepcopy cannot pickle it."""
+    cls = dist.ProcessGroup
+    had = "__deepcopy__" in vars(cls)
+    old = vars(cls).get("__deepcopy__")
+    cls.__deepcopy__ = lambda self, memo: self
+    try:
+        yield
+    finally:
+        if had:
+            cls.__deepcopy__ = old
+        else:
+            del cls.__deepcopy__
+
+
 def _check_covered(model: nn.Module, layout: PipelineLayout) -> None:
     """Every parameter must belong to a piece of the layout: anything else would be replicated on every stage."""
     pieces = [layout.layers, *layout.embeddings, *layout.final, *layout.head]
@@ -114,6 +134,35 @@ def _check_covered(model: nn.Module, layout: PipelineLayout) -> None:
             f"{type(model).__name__}: parameters {loose[:5]} belong to no piece of {layout}; every parameter must "
             "sit in the embeddings, the blocks, the final modules or the head: add their module to the layout"
         )
+
+
+def _whole_tensors(module: nn.Module) -> dict[str, LocalShard]:
+    return {
+        n: LocalShard(t.detach(), ShardSpec.full(t.shape))
+        for n, t in module.state_dict(keep_vars=True).items()
+    }
+
+
+def _load_whole_tensors(module: nn.Module, read: Read) -> None:
+    with torch.no_grad():
+        for n, t in module.state_dict(keep_vars=True).items():
+            t.copy_(read(n, ShardSpec.full(t.shape), t.dtype))
+
+
+@dataclass(frozen=True)
+class LocalState:
+    """How a stage's model reports and loads its own tensors under its own names (the state protocol as two
+    functions of the module); the stage renames them to the full model's names.
+
+    The default holds whole tensors. A tensor-parallel model passes cai-shardformer's functions, so each tensor is
+    this rank's tp block::
+
+        from cai.shardformer import load_sharded_state_dict, sharded_state_dict
+        build_stages(model, manager, local_state=LocalState(sharded_state_dict, load_sharded_state_dict))
+    """
+
+    save: Callable[[nn.Module], dict[str, LocalShard]] = _whole_tensors
+    load: Callable[[nn.Module, Read], None] = _load_whole_tensors
 
 
 class PipelineStage(nn.Module):
@@ -134,6 +183,7 @@ class PipelineStage(nn.Module):
         layer_range: tuple[int, int],
         tied: dict[str, str],
         config: Any,
+        local_state: LocalState | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -147,6 +197,7 @@ class PipelineStage(nn.Module):
         # from the embedding's entry (a tied weight is stored once, under the embedding's name).
         self.tied = dict(tied)
         self.config = config
+        self.local_state = local_state or LocalState()
 
     @property
     def blocks(self) -> _StageBlocks:
@@ -209,28 +260,20 @@ class PipelineStage(nn.Module):
         """This stage's parameters under the full model's names (for optimizers' checkpoints and comparisons)."""
         return [(self._global_name(n), p) for n, p in self.module.named_parameters()]
 
-    def _entries(self) -> list[tuple[str, str, torch.Tensor]]:
-        """(global name reported, global name read, tensor) for every parameter and persistent buffer."""
-        out = []
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            source = self.tied.get(name)
-            out.append((self._global_name(name), source or self._global_name(name), tensor))
-        return out
-
     def sharded_state_dict(self) -> dict[str, LocalShard]:
-        """Full-model name -> (tensor, ``ShardSpec.full``) for what this stage holds; tied head weights are left
-        out (the first stage reports them under the embedding's name)."""
-        return {
-            name: LocalShard(t.detach(), ShardSpec.full(t.shape))
-            for name, source, t in self._entries()
-            if name == source
-        }
+        """Full-model name -> this rank's piece, for what this stage holds (its ``local_state``, renamed); tied head
+        weights are left out (the first stage reports them under the embedding's name)."""
+        local = self.local_state.save(self.module)
+        return {self._global_name(n): piece for n, piece in local.items() if n not in self.tied}
 
-    def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
-        """Fill every tensor from ``read(name, spec, dtype)`` under its full-model name."""
-        with torch.no_grad():
-            for _, source, t in self._entries():
-                t.copy_(read(source, ShardSpec.full(t.shape), t.dtype))
+    def load_sharded_state_dict(self, read: Read) -> None:
+        """Fill every tensor from ``read(name, spec, dtype)`` under its full-model name (a tied head weight from the
+        embedding's entry)."""
+
+        def local_read(name: str, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+            return read(self.tied.get(name) or self._global_name(name), spec, dtype)
+
+        self.local_state.load(self.module, local_read)
 
     def extra_repr(self) -> str:
         return f"slot={self.slot}/{self.num_slots}, layers=[{self.layer_range[0]}, {self.layer_range[1]})"
@@ -244,6 +287,7 @@ def split_model(
     layers_per_stage: Sequence[int] | None = None,
     layout: PipelineLayout | None = None,
     keep_tied: bool = False,
+    local_state: LocalState | None = None,
 ) -> PipelineStage:
     """The stage for virtual stage ``slot`` of ``num_slots`` of ``model`` (a Hugging Face model or any model
     with a ``layout``).
@@ -257,6 +301,7 @@ def split_model(
         layout: where the pieces are (default: ``layout_from_pp_plan(model)``, the model's ``base_model_pp_plan``).
         keep_tied: on the last slot, share a tied head weight with the model's embedding instead of copying it
             (right when the same rank also holds the first slot, as rank 0 does under the V layout).
+        local_state: how the stage's model reports its tensors (default: whole tensors; see ``LocalState``).
 
     Example::
 
@@ -306,8 +351,13 @@ def split_model(
     for path in layout.head:
         m = model.get_submodule(path)
         untie = last and not first and not keep_tied and any(n.startswith(path + ".") for n in tied)
-        memo[id(m)] = (copy.deepcopy(m) if untie else m) if last else _stand_in(m)
-    shell = copy.deepcopy(model, memo)
+        if untie:
+            with _process_groups_by_reference():
+                memo[id(m)] = copy.deepcopy(m)
+        else:
+            memo[id(m)] = m if last else _stand_in(m)
+    with _process_groups_by_reference():
+        shell = copy.deepcopy(model, memo)
 
     config = getattr(model, "config", None)
     stage_config = getattr(shell, "config", None)
@@ -328,4 +378,5 @@ def split_model(
         layer_range=(start, end),
         tied=tied,
         config=config,
+        local_state=local_state,
     )
