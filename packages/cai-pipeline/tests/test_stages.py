@@ -31,6 +31,23 @@ GPT2_LAYOUT = PipelineLayout(
 )
 
 
+# Layouts of families whose configs have no base_model_pp_plan (cai-shardformer's policies carry them).
+OPT_LAYOUT = PipelineLayout(
+    base="model",
+    embeddings=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
+    layers="model.decoder.layers",
+    final=("model.decoder.final_layer_norm",),
+    head=("lm_head",),
+)
+BLOOM_LAYOUT = PipelineLayout(
+    base="transformer",
+    embeddings=("transformer.word_embeddings", "transformer.word_embeddings_layernorm"),
+    layers="transformer.h",
+    final=("transformer.ln_f",),
+    head=("lm_head",),
+)
+
+
 def tiny(
     family: str, tie: bool, layers: int = 4, vocab: int = 251
 ) -> tuple[nn.Module, PipelineLayout | None]:
@@ -41,6 +58,22 @@ def tiny(
             n_embd=32, n_layer=layers, n_positions=32, bos_token_id=0, eos_token_id=0, **common
         )
         return transformers.GPT2LMHeadModel(cfg).eval(), GPT2_LAYOUT
+    if family == "opt":  # learned positions with an offset, computed from the attention mask
+        cfg = transformers.OPTConfig(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=layers,
+            word_embed_proj_dim=32,
+            max_position_embeddings=32,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+            **common,
+        )
+        return transformers.OPTForCausalLM(cfg).eval(), OPT_LAYOUT
+    if family == "bloom":  # a layer norm after the embedding, ALiBi from the attention mask
+        cfg = transformers.BloomConfig(hidden_size=32, n_layer=layers, **common)
+        return transformers.BloomForCausalLM(cfg).eval(), BLOOM_LAYOUT
     dec = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_key_value_heads=2, **common
     )
@@ -87,7 +120,7 @@ class Case:
         return f"{self.family}-{'tied' if self.tie else 'untied'}-pp{self.pp}"
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "gpt2", "opt", "bloom")
 CASES = [Case(f, t, pp) for f, t, pp in itertools.product(FAMILIES, (False, True), (2, 4))]
 
 
@@ -122,7 +155,7 @@ def test_stages_compose_to_the_model(case: Case) -> None:
     assert set(grads) == set(expected)
     assert_close(grads, expected, rtol=1e-5, atol=1e-7)
     # Every parameter lives on exactly one stage, except a tied weight (first and last stage).
-    embed = "transformer.wte.weight" if case.family == "gpt2" else "model.embed_tokens.weight"
+    embed = f"{layout.embeddings[0] if layout else 'model.embed_tokens'}.weight"
     for name, ranks in owners.items():
         assert ranks == ([0, case.pp - 1] if case.tie and name == embed else ranks[:1]), (name, ranks)
     assert full["lm_head.weight"] is full[embed] if case.tie else True
