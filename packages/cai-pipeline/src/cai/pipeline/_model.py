@@ -142,12 +142,12 @@ def build_stages(
         )
         for s in slots
     ]
-    # The ranks of slot 0 and of the last slot sum tied gradients; under V both are pipeline rank 0.
-    first_rank = 0
-    last_rank = 0 if manager.use_zbv else manager.num_stages - 1
+    # The pipeline stages holding slot 0 and the last slot sum tied gradients; under V both are stage 0.
+    first_stage = 0
+    last_stage = 0 if manager.use_zbv else manager.num_stages - 1
     group = None
-    if _has_tied(model, layout) and first_rank != last_rank:
-        group = manager.init_process_group_by_stages([first_rank, last_rank])
+    if _has_tied(model, layout) and first_stage != last_stage:
+        group = manager.init_process_group_by_stages([first_stage, last_stage])
     return PipelineModel(chunks, manager, group)
 
 
