@@ -38,7 +38,9 @@ def _exchange(cache: bool):
         assert torch.utils._pytree.tree_structure(got) == torch.utils._pytree.tree_structure(want)
         for x, y in zip(flat_got, flat_want, strict=True):
             if isinstance(y, torch.Tensor):
-                assert x.dtype == y.dtype and x.requires_grad == y.requires_grad and torch.equal(x, y.detach())
+                assert (
+                    x.dtype == y.dtype and x.requires_grad == y.requires_grad and torch.equal(x, y.detach())
+                )
             else:
                 assert x == y
     return None

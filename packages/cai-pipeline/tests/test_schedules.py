@@ -5,6 +5,7 @@ One spawn per pipeline size runs the whole matrix (schedules x micro-batch count
 
 from __future__ import annotations
 
+import json
 import time
 import weakref
 
@@ -267,11 +268,18 @@ def _overhead_per_action(pp: int) -> float:
     return per.item()
 
 
-def _bubble_table(pp: int):
+def _bubble_table(pp: int, trace: str):
     unit = min(max(20 * _overhead_per_action(pp), MIN_UNIT), MAX_UNIT)
     rows = []
-    for name, m in [("gpipe", 2 * pp), ("1f1b", pp), ("1f1b", 2 * pp), ("interleaved", pp), ("interleaved", 2 * pp),
-                    ("zbv", pp), ("zbv", 2 * pp)]:
+    for name, m in [
+        ("gpipe", 2 * pp),
+        ("1f1b", pp),
+        ("1f1b", 2 * pp),
+        ("interleaved", pp),
+        ("interleaved", 2 * pp),
+        ("zbv", pp),
+        ("zbv", 2 * pp),
+    ]:
         schedule = build_schedule(name, num_microbatches=m, record_timeline=True)
         c = 1 if name in ("gpipe", "1f1b") else 2
         chunks = [SleepStage(2 * unit / c, 2 * unit / c) for _ in range(c)]
@@ -282,25 +290,37 @@ def _bubble_table(pp: int):
             timeline = schedule.timeline.gather()
             measured.append(timeline.bubble_fraction())
         text = f"unit {unit * 1e3:.1f} ms\n" + timeline.text(60) if (name, m) == ("zbv", 2 * pp) else ""
+        if text and dist.get_rank() == 0:
+            timeline.save_chrome_trace(trace)
         rows.append((name, m, min(measured[1:]), text))
     return rows
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_measured_bubble_follows_the_schedules(pp, tmp_path):
-    for attempt in range(3):  # sleeps on a loaded 2-core host: retry a measurement a late wake-up spoiled
-        rows = run_distributed(_bubble_table, pp, pp)[0]
+    for _ in range(3):  # sleeps on a loaded 2-core host: retry a measurement a late wake-up spoiled
+        rows = run_distributed(_bubble_table, pp, pp, str(tmp_path / "zbv.json"))[0]
         got = {(n, m): b for n, m, b, _ in rows}
         print(f"\npp={pp}|   schedule|  m|measured|(p-1)/(m+p-1)|(p-1)/(2m+p-1)")
         for n, m, b, _ in rows:
-            print(f"pp={pp}|{n:>11}|{m:>3}|{b:8.3f}|{(pp - 1) / (m + pp - 1):13.3f}|{(pp - 1) / (2 * m + pp - 1):.3f}")
+            print(
+                f"pp={pp}|{n:>11}|{m:>3}|{b:8.3f}|{(pp - 1) / (m + pp - 1):13.3f}|{(pp - 1) / (2 * m + pp - 1):.3f}"
+            )
         print(next(t for *_, t in rows if t))
-        ok = all(
-            abs(got[("1f1b", m)] - (pp - 1) / (m + pp - 1)) <= 0.1 * (pp - 1) / (m + pp - 1)
-            # interleaving two chunks halves the bubble's time: (p-1)/2 chunk-pairs of idle per stage
-            and abs(got[("interleaved", m)] - (pp - 1) / (2 * m + pp - 1)) <= 0.1 * (pp - 1) / (2 * m + pp - 1)
-            for m in (pp, 2 * pp)
-        ) and got[("zbv", 2 * pp)] < got[("1f1b", 2 * pp)] / 4
+        ok = (
+            all(
+                abs(got[("1f1b", m)] - (pp - 1) / (m + pp - 1)) <= 0.1 * (pp - 1) / (m + pp - 1)
+                # interleaving two chunks halves the bubble's time: (p-1)/2 chunk-pairs of idle per stage
+                and abs(got[("interleaved", m)] - (pp - 1) / (2 * m + pp - 1))
+                <= 0.1 * (pp - 1) / (2 * m + pp - 1)
+                for m in (pp, 2 * pp)
+            )
+            and got[("zbv", 2 * pp)] < got[("1f1b", 2 * pp)] / 4
+        )
         if ok:
             break
     assert ok, got
+    trace = json.loads((tmp_path / "zbv.json").read_text())
+    assert len(trace["traceEvents"]) == pp * 2 * (2 * pp) * 3  # every stage's F, B and W of both chunks
+    assert {e["tid"] for e in trace["traceEvents"]} == set(range(pp))
+    assert 0 <= trace["otherData"]["bubble_fraction"] < 1

@@ -28,9 +28,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.utils import _pytree as pytree
 
 Direction = str  # "fwd" (activations) or "bwd" (gradients)
+
+# P2POp checks its op by identity against c10d's own functions; ``dist.isend`` may be a counting wrapper
+# (``CollectiveCounter``) while a test runs, so the ops are taken from c10d itself.
+_ISEND, _IRECV = c10d.isend, c10d.irecv
 
 
 @dataclass(frozen=True)
@@ -114,15 +119,19 @@ class PipelineP2P:
         else:
             bufs.append(torch.tensor([len(blob)], dtype=torch.int64, device=self.device))
             if old is not None:  # the receiver posted receives shaped by the old metadata: fill them
-                bufs += [torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in _tensor_metas(old[1])]
+                bufs += [
+                    torch.zeros(m.shape, dtype=m.dtype, device=self.device) for m in _tensor_metas(old[1])
+                ]
             bufs.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device))
             self._sent_meta[key] = (blob, meta)
             self.metadata_sent += 1
         bufs += tensors
         dst = self._global(peer)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, b, dst, self.group) for b in bufs])
+        works = dist.batch_isend_irecv([dist.P2POp(_ISEND, b, dst, self.group) for b in bufs])
         self._pending.append((works, bufs))
-        self.bytes_sent[key] = self.bytes_sent.get(key, 0) + sum(t.numel() * t.element_size() for t in tensors)
+        self.bytes_sent[key] = self.bytes_sent.get(key, 0) + sum(
+            t.numel() * t.element_size() for t in tensors
+        )
         self._reap()
 
     def recv(self, peer: int, direction: Direction) -> Any:
@@ -131,16 +140,18 @@ class PipelineP2P:
         meta = self._recv_meta.get(key) if self.enable_metadata_cache else None
         header = torch.empty(1, dtype=torch.int64, device=self.device)
         tensors = self._alloc(meta) if meta is not None else []
-        self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, src, self.group) for b in [header, *tensors]]))
+        self._wait(
+            dist.batch_isend_irecv([dist.P2POp(_IRECV, b, src, self.group) for b in [header, *tensors]])
+        )
         n = int(header.item())
         if n:
             blob = torch.empty(n, dtype=torch.uint8, device=self.device)
-            self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, blob, src, self.group)]))
+            self._wait(dist.batch_isend_irecv([dist.P2POp(_IRECV, blob, src, self.group)]))
             meta = pickle.loads(blob.cpu().numpy().tobytes())
             self._recv_meta[key] = meta
             tensors = self._alloc(meta)
             if tensors:
-                self._wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src, self.group) for t in tensors]))
+                self._wait(dist.batch_isend_irecv([dist.P2POp(_IRECV, t, src, self.group) for t in tensors]))
         elif meta is None:
             raise RuntimeError(
                 f"PipelineP2P: rank {peer} sent a {direction} message without metadata and none is cached; the two "
