@@ -3,6 +3,12 @@
 from importlib.metadata import version as _version
 
 from cai.shardformer._config import SUPPORT_SP_MODE, ShardConfig
+from cai.shardformer._dropout import (
+    DropoutForParallelInput,
+    DropoutForReplicatedInput,
+    RNGStatesTracker,
+    get_rng_tracker,
+)
 from cai.shardformer._embedding import (
     Embedding1D,
     VocabParallelEmbedding1D,
@@ -27,6 +33,8 @@ __version__ = _version("cai-shardformer")
 
 __all__ = [
     "SUPPORT_SP_MODE",
+    "DropoutForParallelInput",
+    "DropoutForReplicatedInput",
     "Embedding1D",
     "FusedLinear1D_Col",
     "Linear1D_Col",
@@ -34,6 +42,7 @@ __all__ = [
     "ModulePolicyDescription",
     "ParallelModule",
     "Policy",
+    "RNGStatesTracker",
     "ShardConfig",
     "ShardFormer",
     "SubModuleReplacementDescription",
@@ -43,6 +52,7 @@ __all__ = [
     "copy_to_tp_region",
     "gather_from_tp_region",
     "gather_seq",
+    "get_rng_tracker",
     "load_sharded_state_dict",
     "reduce_from_tp_region",
     "reduce_grad",
