@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cai.shardformer._config import ShardConfig
+from cai.shardformer._norm import fuse_layer_norms
 from cai.shardformer._policy import Policy, apply_module_policy
 from cai.shardformer._state import enable_state_protocol
 from cai.shardformer.policies.auto_policy import get_autopolicy
@@ -44,6 +45,7 @@ class ShardFormer:
             from cai.kernels import patch_hf_model
 
             patch_hf_model(model, rms_norm=True, swiglu=False, rope=False, fused_loss=False)
+            fuse_layer_norms(model)
         apply_module_policy(model, policy.module_policy(), cfg)
         model = policy.postprocess()
         if cfg.tensor_parallel_size > 1:
