@@ -25,6 +25,7 @@ from cai.shardformer._ops import (
     reduce_scatter_seq,
     scatter_to_tp_region,
 )
+from cai.shardformer._plan import tp_plan
 from cai.shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from cai.shardformer._shardformer import ShardFormer, shard_model
 from cai.shardformer._state import load_sharded_state_dict, sharded_state_dict
@@ -60,5 +61,6 @@ __all__ = [
     "scatter_to_tp_region",
     "shard_model",
     "sharded_state_dict",
+    "tp_plan",
     "vocab_parallel_cross_entropy",
 ]
