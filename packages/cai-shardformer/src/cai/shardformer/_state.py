@@ -66,3 +66,87 @@ def enable_state_protocol(model: nn.Module) -> nn.Module:
     model.sharded_state_dict = lambda: sharded_state_dict(model)
     model.load_sharded_state_dict = lambda read: load_sharded_state_dict(model, read)
     return model
+
+
+# [Note: tp blocks under a flat optimizer shard]
+# An optimizer that shards fp32 masters over the data-parallel axis (cai-zero) reports each parameter as a flat
+# range of the rank's *local* tp tensor (`global_shape` = the local shape). The checkpoint wants ranges of the
+# global tensor. When the tp block is a prefix of the local tensor's flattening (a split along dim 0 starting at
+# local row 0, possibly followed by vocabulary padding rows; or the whole local tensor, as for a row-parallel split
+# along dim 1), a flat range of the local tensor is the same flat range of the block: the composed spec is the tp
+# block with that flat_range, cut at the block's end (the padding). Other layouts are refused.
+def _prefix_numel(key: str, local: torch.Tensor, view: torch.Tensor) -> int:
+    if view.data_ptr() != local.data_ptr() or not view.is_contiguous():
+        raise NotImplementedError(
+            f"{key}: the tp block of shape {tuple(view.shape)} is not a prefix of the local tensor of shape "
+            f"{tuple(local.shape)}, so a flat optimizer shard of it is not a flat range of the checkpoint tensor"
+        )
+    return view.numel()
+
+
+class _MasterState:
+    """`tp_model_state`'s object: the state protocol of a tp model whose masters live in an optimizer."""
+
+    def __init__(self, model: nn.Module, optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def _tp(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, ShardSpec]]:
+        return {key: (local, view, spec) for key, local, view, spec in _entries(self.model)}
+
+    def sharded_state_dict(self) -> dict[str, LocalShard]:
+        tp = self._tp()
+        out = {key: LocalShard(view.detach(), spec) for key, (_, view, spec) in tp.items()}
+        for key, shard in self.optimizer.model_sharded_state_dict().items():
+            local, view, spec = tp[key]
+            start, stop = shard.spec.flat_range or (0, local.numel())
+            end = _prefix_numel(key, local, view)
+            del out[key]  # replaced by the master piece, or by nothing when this rank's piece is all padding
+            if start < end:
+                stop = min(stop, end)
+                block = ShardSpec(
+                    global_shape=spec.global_shape,
+                    offsets=spec.offsets,
+                    block_shape=spec.block_shape,
+                    flat_range=(start, stop),
+                )
+                out[key] = LocalShard(shard.tensor.reshape(-1)[: stop - start], block)
+        return out
+
+    def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
+        tp = self._tp()
+        mastered = set(self.optimizer.model_sharded_state_dict())
+
+        def read_local(key: str, local_spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+            local, view, spec = tp[key]
+            start, stop = local_spec.flat_range or (0, local.numel())
+            end = _prefix_numel(key, local, view)
+            out = torch.zeros(stop - start, dtype=dtype)  # vocabulary padding stays zero
+            if start < end:
+                block = ShardSpec(
+                    global_shape=spec.global_shape,
+                    offsets=spec.offsets,
+                    block_shape=spec.block_shape,
+                    flat_range=(start, min(stop, end)),
+                )
+                out[: min(stop, end) - start] = read(key, block, dtype).reshape(-1)
+            return out if local_spec.flat_range else out.reshape(local_spec.block_shape)
+
+        self.optimizer.load_model_sharded_state_dict(read_local)
+        with torch.no_grad():
+            for key, (_, view, spec) in tp.items():
+                if key not in mastered:
+                    view.copy_(read(key, spec, view.dtype))
+
+
+def tp_model_state(model: nn.Module, optimizer):
+    """The state-protocol object for `cai.ckpt.save_model` / `load_model` of a tp model whose fp32 master weights
+    an optimizer shards over the data-parallel axis (cai-zero's `ZeroOptimizer`, or anything with
+    `model_sharded_state_dict()` / `load_model_sharded_state_dict(read)`): the masters are written as blocks of the
+    global Hugging Face tensors (see [Note: tp blocks under a flat optimizer shard]), and a load refills them
+    (the optimizer then refreshes the working parameters).
+
+    Example:
+        >>> opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model=model, group=mesh.group("dp"))
+        >>> cai.ckpt.save_model(tp_model_state(model, opt), "ckpt/model", config=model.config)
+    """
+    return _MasterState(model, optimizer)
