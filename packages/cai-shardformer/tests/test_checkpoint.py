@@ -1,6 +1,7 @@
 """Checkpoint round trips of tp models through cai-ckpt: a tp=2 checkpoint loads at tp=4 (with replicated kv
-heads), in one process and in `from_pretrained` with equal logits; and tp=2 with cai-zero's fp32 masters sharded
-over the data-parallel axis of a 2 x 2 mesh saves the same Hugging Face layout and loads back, in one process too."""
+heads), in one process and in `from_pretrained` with equal logits; and tp=2 with cai-zero's fp32 masters and Adam
+state sharded over the data-parallel axis of a 2 x 2 mesh saves the same Hugging Face layout and loads back, and one
+process resumes from it."""
 
 import importlib.util
 import pathlib
@@ -12,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import cai.ckpt as ckpt
 from cai.mesh.testing import assert_close, run_distributed
-from cai.shardformer import ShardConfig, ShardFormer, shard_model, tp_model_state
+from cai.shardformer import ShardConfig, ShardFormer, shard_model, tp_model_state, tp_optimizer_state
 from cai.zero import ZeroOptimizer
 
 _spec = importlib.util.spec_from_file_location(
@@ -104,16 +105,34 @@ def _save_and_reload_under_zero(path: str):
     dist.all_gather_object(cuts, cut)
     assert sum(cuts) == 1, cuts
     ckpt.save_model(state, path, config=model.config)
+    ckpt.save_optimizer(tp_optimizer_state(model, opt), path + "-optim")
     saved = _tp.gathered(model)
     other = _other_weights()
     _, other_opt = _zero_tp(other)
     ckpt.load_model(tp_model_state(other, other_opt), path)
+    ckpt.load_optimizer(tp_optimizer_state(other, other_opt), path + "-optim")
     assert_close(_tp.gathered(other), saved, name="tp2 x zero -> tp2 x zero")
+    # The next step from the loaded state (Adam moments and step count included) equals the original's.
+    for o, m in ((opt, model), (other_opt, other)):
+        o.backward(m(input_ids=half, labels=half).loss)
+        o.step()
+        o.zero_grad()
+    after = _tp.gathered(model)
+    assert_close(_tp.gathered(other), after, name="the step after loading")
     dist.barrier()
-    return saved
+    return saved, after
 
 
 def test_tp2_under_zero_saves_hf_layout_and_loads_back(tmp_path):
     path = str(tmp_path / "model")
-    saved = run_distributed(_save_and_reload_under_zero, 4, path, timeout=300)[0]
+    saved, after = run_distributed(_save_and_reload_under_zero, 4, path, timeout=300)[0]
     _one_process_and_from_pretrained(path, saved)
+    # One process resumes from the tp x ZeRO checkpoint: its step on the whole batch (the two dp samples) is the
+    # sharded step.
+    single = _other_weights()
+    ckpt.load_model(single, path)
+    opt = torch.optim.AdamW(single.parameters(), lr=1e-2)
+    ckpt.load_optimizer(opt, path + "-optim", model=single)
+    single(input_ids=IDS, labels=IDS).loss.backward()
+    opt.step()
+    _tp._close(dict(single.named_parameters()), after, "one process resumed")

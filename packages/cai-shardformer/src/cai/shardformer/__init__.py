@@ -28,7 +28,12 @@ from cai.shardformer._ops import (
 from cai.shardformer._plan import tp_plan
 from cai.shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from cai.shardformer._shardformer import ShardFormer, shard_model
-from cai.shardformer._state import load_sharded_state_dict, sharded_state_dict, tp_model_state
+from cai.shardformer._state import (
+    load_sharded_state_dict,
+    sharded_state_dict,
+    tp_model_state,
+    tp_optimizer_state,
+)
 
 __version__ = _version("cai-shardformer")
 
@@ -62,6 +67,7 @@ __all__ = [
     "shard_model",
     "sharded_state_dict",
     "tp_model_state",
+    "tp_optimizer_state",
     "tp_plan",
     "vocab_parallel_cross_entropy",
 ]
