@@ -120,13 +120,21 @@ def _train_with_attention_dropout():
             o.step()
             o.zero_grad()
         losses.append(loss.item())
-    # The dropout is really on: without it the same weights give another loss.
+    # The dropout is really on (without it the same weights give another loss), and it draws from the tracker,
+    # not the global RNG, under SDPA (dropout inside the fused op) as under eager.
     ids = torch.randint(0, _tp.VOCAB, (_tp.B, _tp.S), generator=g)
     with torch.no_grad():
-        on = model(input_ids=ids, labels=ids).loss
-        model.eval()
-        off = model(input_ids=ids, labels=ids).loss
-    assert (on - off).abs() > 1e-3, (on, off)
+        for impl in ("eager", "sdpa"):
+            model.set_attn_implementation(impl)
+            before = torch.get_rng_state()
+            on = model(input_ids=ids, labels=ids).loss
+            assert torch.equal(torch.get_rng_state(), before), (
+                f"{impl}: attention dropout used the global RNG"
+            )
+            model.eval()
+            off = model(input_ids=ids, labels=ids).loss
+            model.train()
+            assert (on - off).abs() > 1e-3, (impl, on, off)
     return losses
 
 
