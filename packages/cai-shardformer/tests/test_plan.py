@@ -27,6 +27,7 @@ def _full(t):
 
 def _torch_tp_matches_one_process():
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = dist.get_world_size()
@@ -37,7 +38,8 @@ def _torch_tp_matches_one_process():
     assert isinstance(plan["model.layers.1.self_attn.q_proj"], ColwiseParallel)
     assert isinstance(plan["model.layers.0.mlp.down_proj"], RowwiseParallel)
     assert isinstance(plan["model.embed_tokens"], RowwiseParallel)
-    assert len(plan) == 7 * _tp.LAYERS + 2  # q k v o gate up down per layer, embedding, lm_head
+    # q k v o gate up down and the attention and MLP input regions per layer, embedding, lm_head
+    assert len(plan) == 9 * _tp.LAYERS + 2
     parallelize_module(model, mesh, plan)
     assert isinstance(model.model.layers[0].self_attn.k_proj.weight, DTensor)
     # Another way in on the same ranks: cai's own layers over a process group.
@@ -49,8 +51,18 @@ def _torch_tp_matches_one_process():
         ids = torch.randint(0, _tp.VOCAB, (_tp.B, _tp.S), generator=g)
         ref_loss = ref(input_ids=ids, labels=ids).loss
         ref_loss.backward()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        with CommDebugMode() as fwd:
+            loss = model(input_ids=ids, labels=ids).loss
+        with CommDebugMode() as bwd:
+            loss.backward()
+        if step == 0:
+            # Megatron's count under torch's collectives: 2 all-reduces per layer each way, plus the embedding's
+            # forward, the lm_head's input gradient and its logits gathered.
+            counts = [
+                {str(op).split(".")[-1]: n for op, n in m.get_comm_counts().items()} for m in (fwd, bwd)
+            ]
+            n = 2 * _tp.LAYERS + 1
+            assert counts == [{"all_reduce": n, "all_gather_into_tensor": 1}, {"all_reduce": n}], counts
         assert_close(_full(loss), ref_loss, rtol=1e-5, name=f"step {step} loss")
         if step == 0:
             cai_loss = cai_model(input_ids=ids, labels=ids).loss

@@ -2,6 +2,7 @@
 
 Each submodule replacement of the policy becomes the DTensor style that shards the same weight the same way:
 
+    tp_input_regions entry       EnterTPRegion()                          (one input-gradient all-reduce per region)
     Linear1D_Col                 ColwiseParallel()                        (gather_output: output Replicate)
     Linear1D_Row                 RowwiseParallel()                        (input_is_parallel=False: input Replicate)
     VocabParallelEmbedding1D     RowwiseParallel(input_layouts=Replicate())
@@ -20,6 +21,8 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from cai.shardformer._config import ShardConfig
 from cai.shardformer._embedding import Embedding1D, VocabParallelEmbedding1D, VocabParallelLMHead1D
@@ -39,8 +42,36 @@ def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     )
 
 
+class EnterTPRegion(ParallelStyle):
+    """The plan entry of a policy's `tp_input_regions` (see [Note: one all-reduce per region]): the module's input
+    (`hidden_states`, or the first positional argument) becomes a replicated DTensor before the column layers
+    inside read it, so their input gradients (partial sums) add up as one DTensor and are all-reduced once, where
+    it leaves the region, instead of once per column layer. Megatron's two all-reduces per layer backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def enter(x):
+            return (
+                x
+                if isinstance(x, DTensor)
+                else DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            )
+
+        def hook(mod, args, kwargs):
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"])}
+            if args:
+                return (enter(args[0]), *args[1:]), kwargs
+            raise TypeError(f"{type(mod).__name__} is a tp input region but was called without an input")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return "EnterTPRegion()"
+
+
 def _style(target: Any, kwargs: dict[str, Any], tp: int, where: str):
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if issubclass(target, FusedLinear1D_Col):
@@ -86,9 +117,10 @@ def tp_plan(model: nn.Module, mesh: DeviceMesh, *, policy: Policy | None = None)
         mesh: a 1-D DeviceMesh, or one with a "tp" axis (the plan is for that axis).
         policy: default the policy registered for the model's class.
 
-    The plan shards what cai's layers shard, with torch's collectives: one all-reduce per column layer's input
-    gradient (cai's policies do one per attention and MLP), the full logits from the lm_head (cai computes the
-    loss vocab-parallel), no vocabulary padding (DTensor shards unevenly), and dropout on the global RNG.
+    The plan shards what cai's layers shard, with torch's collectives: the policy's input regions (attention,
+    MLP) become `EnterTPRegion` entries, so backward all-reduces once per region as cai's layers do; the lm_head
+    returns the full logits (cai computes the loss vocab-parallel); there is no vocabulary padding (DTensor shards
+    unevenly); dropout draws from the global RNG.
 
     Example:
         >>> from torch.distributed.tensor.parallel import parallelize_module
@@ -133,6 +165,8 @@ def tp_plan(model: nn.Module, mesh: DeviceMesh, *, policy: Policy | None = None)
                     )
                 owners[id(p)] = fqn
             plan[fqn] = _style(sub.target_module, sub.kwargs or {}, tp, fqn)
+        for path in desc.tp_input_regions or []:
+            plan[f"{name}.{path}" if name else path] = EnterTPRegion()
         # After the layers: a layer that cannot be exported names the cause better than the attribute it needs.
         for path, value in (desc.attribute_replacement or {}).items():
             if _get_path(module, path) != value:
