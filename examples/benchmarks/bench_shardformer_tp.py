@@ -6,6 +6,8 @@ on the machine hits both alike:
   cai   : `LlamaForCausalLM.from_pretrained(dir)` then `cai.shardformer.shard_model(model, tp group)`: local
           tensors, explicit collectives, the loss vocab-parallel from the hidden states.
   cai-logits : the same with `parallel_output=False`: full logits gathered and the model's own loss, as hf-tp.
+  torch-plan : `parallelize_module(model, mesh, cai.shardformer.tp_plan(model, mesh))`: cai's policy exported to
+          torch's DTensor styles (full logits, the model's loss).
   hf-tp : `from_pretrained(dir, distributed_config=DistributedConfig(tp_size=2))`: DTensor parameters from the
           model's `base_model_tp_plan`, full logits and the model's own loss.
 It also prints the first losses of both (the same weights and data: they agree), and the collectives each issues
@@ -80,6 +82,15 @@ def _load(kind: str, path: str):
     if kind in ("cai", "cai-logits"):
         model = LlamaForCausalLM.from_pretrained(path)
         return shard_model(model, dist.group.WORLD, parallel_output=kind == "cai")
+    if kind == "torch-plan":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from cai.shardformer import tp_plan
+
+        model = LlamaForCausalLM.from_pretrained(path)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        return parallelize_module(model, mesh, tp_plan(model, mesh))
     from transformers.distributed import DistributedConfig
 
     return LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))
@@ -140,14 +151,14 @@ def main() -> None:
         raise SystemExit(f"run with 2 processes (cai run --nproc_per_node 2), not {dist.get_world_size()}")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     path = _checkpoint(args, args.layers)
-    models = {kind: _load(kind, path) for kind in ("cai", "cai-logits", "hf-tp")}
+    models = {kind: _load(kind, path) for kind in ("cai", "cai-logits", "torch-plan", "hf-tp")}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     g = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {k: [] for k in models}
     first_losses = {}
     for step in range(args.warmup + args.steps):
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-        for kind in list(models)[step % 3 :] + list(models)[: step % 3]:  # rotate the order
+        for kind in list(models)[step % 4 :] + list(models)[: step % 4]:  # rotate the order
             dist.barrier()
             t0 = time.perf_counter()
             loss = _step(models[kind], opts[kind], ids)
@@ -156,7 +167,7 @@ def main() -> None:
                 times[kind].append(time.perf_counter() - t0)
             first_losses.setdefault(kind, loss)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-    comm = {kind: _per_layer(args, kind, ids) for kind in ("cai", "hf-tp")}
+    comm = {kind: _per_layer(args, kind, ids) for kind in ("cai", "torch-plan", "hf-tp")}
     if dist.get_rank() == 0:
         shape = f"h{args.hidden} L{args.layers} heads {args.heads}/{args.kv_heads} ffn {args.ffn} vocab {args.vocab}"
         print(f"Llama {shape}, b{args.batch} s{args.seq}, fp32, tp=2 gloo, {args.steps} timed steps")
@@ -168,7 +179,7 @@ def main() -> None:
             )
         print(
             f"  step time over hf-tp: cai {med['cai'] / med['hf-tp']:.3f}, "
-            f"cai-logits {med['cai-logits'] / med['hf-tp']:.3f}"
+            f"cai-logits {med['cai-logits'] / med['hf-tp']:.3f}, torch-plan {med['torch-plan'] / med['hf-tp']:.3f}"
         )
         for kind in comm:
             print(
