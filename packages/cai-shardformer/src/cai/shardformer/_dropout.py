@@ -169,9 +169,8 @@ def fork_rng_in_forward(path: str, state: str = PARALLEL, *, group=None):
         # A bound method, not a closure: `copy.deepcopy` rebinds it to the copy.
         sub.forward = types.MethodType(_forked_forward, sub)
 
-    apply.rng_only = (
-        True  # changes which stream dropout draws from, never a value: `tp_plan` may leave it out
-    )
+    # It changes which stream dropout draws from, never a value: `tp_plan` may leave it out.
+    apply.rng_only = True
     return apply
 
 
