@@ -17,12 +17,11 @@ gradients, which a rank's local use leaves partial).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from cai.shardformer._config import ShardConfig
 from cai.shardformer._embedding import Embedding1D, VocabParallelEmbedding1D, VocabParallelLMHead1D
@@ -42,36 +41,45 @@ def _tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     )
 
 
-class EnterTPRegion(ParallelStyle):
-    """The plan entry of a policy's `tp_input_regions` (see [Note: one all-reduce per region]): the module's input
-    (`hidden_states`, or the first positional argument) becomes a replicated DTensor before the column layers
-    inside read it, so their input gradients (partial sums) add up as one DTensor and are all-reduced once, where
-    it leaves the region, instead of once per column layer. Megatron's two all-reduces per layer backward."""
+@functools.cache
+def _enter_tp_region_style() -> type:
+    """`EnterTPRegion`, defined on first use: `import cai.shardformer` does not pay for importing torch's
+    tensor-parallel package (seconds on a loaded machine) unless a plan is exported."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ParallelStyle
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def enter(x):
-            return (
-                x
-                if isinstance(x, DTensor)
-                else DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            )
+    class EnterTPRegion(ParallelStyle):
+        """The plan entry of a policy's `tp_input_regions` (see [Note: one all-reduce per region]): the module's input
+        (`hidden_states`, or the first positional argument) becomes a replicated DTensor before the column layers
+        inside read it, so their input gradients (partial sums) add up as one DTensor and are all-reduced once, where
+        it leaves the region, instead of once per column layer. Megatron's two all-reduces per layer backward."""
 
-        def hook(mod, args, kwargs):
-            if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"])}
-            if args:
-                return (enter(args[0]), *args[1:]), kwargs
-            raise TypeError(f"{type(mod).__name__} is a tp input region but was called without an input")
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            def enter(x):
+                return (
+                    x
+                    if isinstance(x, DTensor)
+                    else DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                )
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
+            def hook(mod, args, kwargs):
+                if "hidden_states" in kwargs:
+                    return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"])}
+                if args:
+                    return (enter(args[0]), *args[1:]), kwargs
+                raise TypeError(f"{type(mod).__name__} is a tp input region but was called without an input")
 
-    def __repr__(self) -> str:
-        return "EnterTPRegion()"
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            return module
+
+        def __repr__(self) -> str:
+            return "EnterTPRegion()"
+
+    return EnterTPRegion
 
 
 def _style(target: Any, kwargs: dict[str, Any], tp: int, where: str):
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if issubclass(target, FusedLinear1D_Col):
@@ -166,7 +174,7 @@ def tp_plan(model: nn.Module, mesh: DeviceMesh, *, policy: Policy | None = None)
                 owners[id(p)] = fqn
             plan[fqn] = _style(sub.target_module, sub.kwargs or {}, tp, fqn)
         for path in desc.tp_input_regions or []:
-            plan[f"{name}.{path}" if name else path] = EnterTPRegion()
+            plan[f"{name}.{path}" if name else path] = _enter_tp_region_style()()
         # After the layers: a layer that cannot be exported names the cause better than the attribute it needs.
         for path, value in (desc.attribute_replacement or {}).items():
             if _get_path(module, path) != value:
