@@ -87,6 +87,11 @@ def _refusals():
         with pytest.raises(NotImplementedError) as err:
             tp_plan(model, mesh)
         out[name] = str(err.value)
+    no_tp = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "x"))
+    for fn in (tp_plan, shard_model):
+        with pytest.raises(ValueError, match="has no 'tp' axis") as err:
+            fn(_tp._tiny("llama"), no_tp)
+        out[f"{fn.__name__} mesh"] = str(err.value)
     dist.barrier()
     return out
 
@@ -97,3 +102,4 @@ def test_exported_plan_trains_like_one_process_under_torch_tp():
     assert "1 heads" in errors["replicated kv heads"] and "tp=2" in errors["replicated kv heads"]
     assert "tied" in errors["tied"]
     assert "parameter hooks" in errors["per-head norms"]
+    assert "('dp', 'x')" in errors["tp_plan mesh"] and "('dp', 'x')" in errors["shard_model mesh"]
