@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cai.shardformer._config import ShardConfig
 from cai.shardformer._norm import fuse_layer_norms
 from cai.shardformer._policy import Policy, apply_module_policy
+from cai.shardformer._sequence import check_sequence_parallel
 from cai.shardformer._state import enable_state_protocol
 from cai.shardformer.policies.auto_policy import get_autopolicy
 
@@ -37,6 +38,8 @@ class ShardFormer:
                 f"them at their defaults (tensor parallelism alone works)"
             )
         policy = get_autopolicy(model) if policy is None else policy
+        if cfg.enable_sequence_parallelism:
+            check_sequence_parallel(cfg, policy)
         policy.set_model(model)
         policy.set_shard_config(cfg)  # runs config_sanity_check
         model = policy.preprocess()
