@@ -3,6 +3,12 @@
 from importlib.metadata import version as _version
 
 from cai.shardformer._config import SUPPORT_SP_MODE, ShardConfig
+from cai.shardformer._dropout import (
+    DropoutForParallelInput,
+    DropoutForReplicatedInput,
+    RNGStatesTracker,
+    get_rng_tracker,
+)
 from cai.shardformer._embedding import (
     Embedding1D,
     VocabParallelEmbedding1D,
@@ -19,16 +25,24 @@ from cai.shardformer._ops import (
     reduce_scatter_seq,
     scatter_to_tp_region,
 )
+from cai.shardformer._plan import tp_plan
 from cai.shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from cai.shardformer._ring_attn import ring_attention, zigzag_indices
 from cai.shardformer._shardformer import ShardFormer, shard_model
-from cai.shardformer._state import load_sharded_state_dict, sharded_state_dict
+from cai.shardformer._state import (
+    load_sharded_state_dict,
+    sharded_state_dict,
+    tp_model_state,
+    tp_optimizer_state,
+)
 from cai.shardformer._ulysses import ulysses_attention
 
 __version__ = _version("cai-shardformer")
 
 __all__ = [
     "SUPPORT_SP_MODE",
+    "DropoutForParallelInput",
+    "DropoutForReplicatedInput",
     "Embedding1D",
     "FusedLinear1D_Col",
     "Linear1D_Col",
@@ -36,6 +50,7 @@ __all__ = [
     "ModulePolicyDescription",
     "ParallelModule",
     "Policy",
+    "RNGStatesTracker",
     "ShardConfig",
     "ShardFormer",
     "SubModuleReplacementDescription",
@@ -45,6 +60,7 @@ __all__ = [
     "copy_to_tp_region",
     "gather_from_tp_region",
     "gather_seq",
+    "get_rng_tracker",
     "load_sharded_state_dict",
     "reduce_from_tp_region",
     "reduce_grad",
@@ -53,6 +69,9 @@ __all__ = [
     "scatter_to_tp_region",
     "shard_model",
     "sharded_state_dict",
+    "tp_model_state",
+    "tp_optimizer_state",
+    "tp_plan",
     "ulysses_attention",
     "vocab_parallel_cross_entropy",
     "zigzag_indices",

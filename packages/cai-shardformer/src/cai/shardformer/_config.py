@@ -22,7 +22,8 @@ class ShardConfig:
             padding off (the vocabulary must then divide by tp).
         parallel_output: True computes the causal-LM loss vocab-parallel from the hidden states (the logits are
             never gathered); False gathers the logits and leaves the loss to the model.
-        enable_fused_normalization: RMSNorm modules become cai-kernels' `RMSNorm` (same weights).
+        enable_fused_normalization: RMSNorm and LayerNorm modules become cai-kernels' `RMSNorm` / `LayerNorm`
+            (same Parameters, same state-dict keys).
         enable_sequence_parallelism / sequence_parallelism_mode: one of `SUPPORT_SP_MODE`; the mode defaults to
             "split_gather" when sequence parallelism is on. split_gather and ring split the sequence over the tp
             group (the sp group is the tp group); "all_to_all" (Ulysses) and "ring_attn" run on

@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cai.shardformer._config import ShardConfig
+from cai.shardformer._norm import fuse_layer_norms
 from cai.shardformer._policy import Policy, apply_module_policy
 from cai.shardformer._sequence import check_sequence_parallel
 from cai.shardformer._sp_attention import ATTENTION_SP_MODES, check_sp_attention, install_sp_attention
@@ -52,6 +53,7 @@ class ShardFormer:
             from cai.kernels import patch_hf_model
 
             patch_hf_model(model, rms_norm=True, swiglu=False, rope=False, fused_loss=False)
+            fuse_layer_norms(model)
         apply_module_policy(model, policy.module_policy(), cfg)
         model = policy.postprocess()
         if sp_attention:

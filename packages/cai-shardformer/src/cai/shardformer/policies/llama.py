@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from cai.kernels import defer_lm_head_loss
+from cai.shardformer._dropout import PARALLEL, fork_rng_in_forward
 from cai.shardformer._embedding import (
     VocabParallelEmbedding1D,
     VocabParallelLMHead1D,
@@ -71,6 +72,7 @@ class LlamaPolicy(Policy):
         nkv = getattr(cfg, "num_key_value_heads", None) or nh
         local_q = nh // tp
         local_kv = max(nkv // tp, 1)  # one replicated kv head per rank when kv heads < tp
+        group = self.shard_config.tensor_parallel_process_group
         col = {"reduce_input_grad": False}  # see [Note: one all-reduce per region]
         row: dict[str, Any] = {}
         sc = self.shard_config
@@ -84,6 +86,8 @@ class LlamaPolicy(Policy):
         policy = {
             f"{self.family}DecoderLayer": ModulePolicyDescription(
                 attribute_replacement={"self_attn.num_key_value_groups": local_q // local_kv},
+                # Attention dropout acts on this rank's heads: a different mask per rank.
+                param_replacement=[fork_rng_in_forward("self_attn", PARALLEL, group=group)],
                 sub_module_replacement=[
                     Sub("self_attn.q_proj", Linear1D_Col, {**col, "num_heads": nh}),
                     Sub("self_attn.k_proj", Linear1D_Col, {**col, "num_heads": nkv}),
