@@ -14,6 +14,12 @@ _POLICY_LIST: dict[str, tuple[str, str]] = {
     for family, module in (("Llama", "llama"), ("Mistral", "mistral"), ("Qwen2", "qwen2"), ("Qwen3", "qwen3"))
     for suffix, policy in (("Model", "ModelPolicy"), ("ForCausalLM", "ForCausalLMPolicy"))
 }
+_POLICY_LIST.update(
+    {
+        f"Bert{suffix}": ("bert", f"Bert{suffix}Policy")
+        for suffix in ("Model", "ForSequenceClassification", "ForMaskedLM", "ForPreTraining")
+    }
+)
 
 
 def get_autopolicy(model: nn.Module) -> Policy:

@@ -1,0 +1,197 @@
+"""Encoder and encoder-decoder policies (BERT, T5, ViT, Whisper) against the same model unsharded in one
+process, fp32: 5 AdamW steps with losses, gathered gradients and gathered parameters compared every step.
+
+One process group per world size runs the whole matrix of that size (spawning is the expensive part on CPU); each
+case is still its own pytest id, reading its result from that run."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import transformers
+
+from cai.mesh.testing import assert_close, run_distributed
+from cai.shardformer import ParallelModule, ShardConfig, ShardFormer
+
+VOCAB = 251  # divides by neither 2 nor 4: the vocabulary is padded
+B, S, H, HEADS, LAYERS = 2, 8, 64, 4, 2
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # a key of MODELS
+    tp: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-tp{self.tp}"
+
+
+@dataclass(frozen=True)
+class Family:
+    build: Callable[[], torch.nn.Module]
+    batch: Callable[[torch.Generator], dict]  # the forward's keyword arguments
+    loss: Callable[[object], torch.Tensor] = lambda out: out.loss
+
+
+def _bert_config():
+    return transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=128,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+
+
+def _bert_batch(g, **labels):
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, -3:] = 0  # padding in the second sequence
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "token_type_ids": (torch.arange(S) >= S // 2).long().expand(B, S),
+    }
+
+
+def _mlm_labels(g):
+    labels = torch.randint(0, VOCAB, (B, S), generator=g)
+    labels[torch.rand(B, S, generator=g) < 0.5] = -100
+    return labels
+
+
+def _hidden_loss(out):
+    """A loss over every output of a headless model, so every parameter gets a gradient."""
+    loss = out.last_hidden_state.pow(2).mean()
+    if getattr(out, "pooler_output", None) is not None:
+        loss = loss + out.pooler_output.pow(2).mean()
+    return loss
+
+
+MODELS: dict[str, Family] = {
+    "bert": Family(lambda: transformers.BertModel(_bert_config()), lambda g: _bert_batch(g), _hidden_loss),
+    "bert_cls": Family(
+        lambda: transformers.BertForSequenceClassification(_bert_config()),
+        lambda g: {**_bert_batch(g), "labels": torch.randint(0, 3, (B,), generator=g)},
+    ),
+    "bert_mlm": Family(
+        lambda: transformers.BertForMaskedLM(_bert_config()),
+        lambda g: {**_bert_batch(g), "labels": _mlm_labels(g)},
+    ),
+    "bert_pretraining": Family(
+        lambda: transformers.BertForPreTraining(_bert_config()),
+        lambda g: {**_bert_batch(g), "labels": _mlm_labels(g), "next_sentence_label": torch.tensor([0, 1])},
+    ),
+}
+
+
+def gathered(model, grads: bool = False) -> dict:
+    """Every parameter (or its gradient) as the full unpadded tensor, by its first name; a parameter tied to a
+    parallel layer's (BERT's `cls.predictions.bias`) is gathered through that layer."""
+    owner = {
+        id(p): (m, n)
+        for m in model.modules()
+        if isinstance(m, ParallelModule)
+        for n, p in m.named_parameters(recurse=False)
+    }
+    out = {}
+    for key, p in model.named_parameters():
+        local = p.grad if grads else p
+        if id(p) in owner:
+            module, name = owner[id(p)]
+            out[key] = module.full_tensor(name, local)
+        else:
+            out[key] = local.detach().clone()
+    return out
+
+
+def _close(actual: dict, expected: dict, name: str) -> None:
+    """The rule of test_policies._close (1e-5 relative, absolute floor 1e-5 of the tensor's largest element),
+    with a floor of 1e-9: the attention key bias has a gradient that is exactly zero (softmax does not change when
+    a query's scores all move by the same amount), so its computed value is rounding noise around 1e-13."""
+    assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+    for k, e in expected.items():
+        atol = max(1e-5 * float(e.abs().max()), 1e-9)
+        assert_close(actual[k], e, rtol=1e-5, atol=atol, name=f"{name} {k}")
+
+
+def _aliases(model) -> set[str]:
+    """The names under which a parameter appears a second time (ties)."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(
+        dict(model.named_parameters())
+    )
+
+
+def _train(case: Case) -> None:
+    fam = MODELS[case.model]
+    torch.manual_seed(0)
+    ref = fam.build()
+    model = copy.deepcopy(ref)
+    model, _ = ShardFormer(ShardConfig()).optimize(model)
+    assert set(model.state_dict()) == set(ref.state_dict())  # the Hugging Face keys
+    assert any(isinstance(m, ParallelModule) for m in model.modules())
+    assert _aliases(model) == _aliases(ref)  # tied weights stay tied
+    # The state protocol reports every Hugging Face key with its global shape (a tied shard under each name).
+    state = model.sharded_state_dict()
+    assert {k: v.spec.global_shape for k, v in state.items()} == {
+        k: v.shape for k, v in ref.state_dict().items()
+    }
+    # Adam divides by |g| + eps, amplifying a gradient's rounding by up to lr / eps in the update (see
+    # test_policies._train). These models have biases that start at zero, so after a step their largest element
+    # is about lr and the tolerance 1e-5 of it: eps=1e-3 keeps the amplification at 1.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3)
+    ref.train()
+    model.train()
+    g = torch.Generator().manual_seed(5)
+    for step in range(5):
+        batch = fam.batch(g)
+        ref_loss = fam.loss(ref(**batch))
+        ref_loss.backward()
+        loss = fam.loss(model(**batch))
+        loss.backward()
+        assert_close(loss, ref_loss, rtol=1e-5, name=f"{case.id} step {step} loss")
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        _close(gathered(model, grads=True), ref_grads, f"{case.id} step {step} grad")
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        _close(gathered(model), dict(ref.named_parameters()), f"{case.id} step {step} param")
+
+
+def _matrix(cases: list[Case]) -> dict[str, str | None]:
+    """Every case on this process group; a failing case records its traceback and the next one runs (a
+    mismatch is found on every rank alike, so the ranks stay in step)."""
+    results = {}
+    for case in cases:
+        try:
+            _train(case)
+            results[case.id] = None
+        except AssertionError:
+            results[case.id] = traceback.format_exc()
+    return results
+
+
+CASES = [Case(m, tp) for tp in (2, 4) for m in MODELS]
+
+
+@pytest.fixture(scope="module")
+def results():
+    cache: dict[int, dict] = {}
+
+    def get(tp: int) -> dict:
+        if tp not in cache:
+            cache[tp] = run_distributed(_matrix, tp, [c for c in CASES if c.tp == tp], timeout=600)[0]
+        return cache[tp]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_training_matches_unsharded(case, results):
+    error = results(case.tp)[case.id]
+    assert error is None, error
