@@ -1,0 +1,119 @@
+"""The automatic policy from a model's `base_model_tp_plan`: three decoder families that have a plan and no
+cai-shardformer policy (Cohere, Starcoder2, Olmo2) against the same model unsharded in one process, fp32, 5 AdamW
+steps; the errors for a model with neither a policy nor a plan and for a plan style cai does not map."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+from cai.mesh.testing import run_distributed
+from cai.shardformer import ShardConfig, ShardFormer
+from cai.shardformer.policies import get_autopolicy
+from cai.shardformer.policies.tp_plan import TpPlanPolicy
+
+# The training comparison of the encoder tests.
+_spec = importlib.util.spec_from_file_location(
+    "_shardformer_encoder_tests", pathlib.Path(__file__).with_name("test_encoders.py")
+)
+_enc = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _enc  # its dataclasses look their module up; its Case pickles by this name
+_spec.loader.exec_module(_enc)
+Case, Family = _enc.Case, _enc.Family
+VOCAB, B, S = _enc.VOCAB, _enc.B, _enc.S
+
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def _causal_batch(g):
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+MODELS: dict[str, Family] = {
+    # q/k/v/o and gate/up/down colwise/rowwise, embedding_rowwise, tied embedding (Cohere's default), logit scale.
+    "cohere": Family(
+        lambda: transformers.CohereForCausalLM(transformers.CohereConfig(**_COMMON)), _causal_batch
+    ),
+    # Biases everywhere, a plain (non-gated) MLP c_fc/c_proj, LayerNorm, embedding_rowwise, untied.
+    "starcoder2": Family(
+        lambda: transformers.Starcoder2ForCausalLM(
+            transformers.Starcoder2Config(**_COMMON, tie_word_embeddings=False, residual_dropout=0.0)
+        ),
+        _causal_batch,
+    ),
+    # q/k/v colwise_gather_output (the q/k norms see the whole projection), o rowwise_split_input; the embedding is
+    # not in the plan (replicated), the lm_head is.
+    "olmo2": Family(
+        lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**_COMMON, tie_word_embeddings=False)),
+        _causal_batch,
+    ),
+}
+
+CASES = [Case(m, tp) for tp in (2, 4) for m in MODELS]
+
+
+def _matrix(cases: list[Case]) -> dict[str, str | None]:
+    for case in cases:  # no family here has a policy of its own: the plan is what shards it
+        assert isinstance(get_autopolicy(MODELS[case.model].build()), TpPlanPolicy)
+    return _enc.run_matrix(MODELS, cases)
+
+
+@pytest.fixture(scope="module")
+def results():
+    cache: dict[int, dict] = {}
+
+    def get(tp: int) -> dict:
+        if tp not in cache:
+            cache[tp] = run_distributed(_matrix, tp, [c for c in CASES if c.tp == tp], timeout=600)[0]
+        return cache[tp]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_plan_training_matches_unsharded(case, results):
+    error = results(case.tp)[case.id]
+    assert error is None, error
+
+
+class _NoPlan(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = transformers.PretrainedConfig()
+        self.proj = torch.nn.Linear(4, 4)
+
+
+def _errors() -> dict[str, str]:
+    dist.barrier()  # see test_policies._error
+    out = {}
+    try:
+        ShardFormer(ShardConfig()).optimize(_NoPlan())
+    except NotImplementedError as e:
+        out["no_plan"] = str(e)
+    model = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(**_COMMON))
+    model.tp_plan["model.layers.*.mlp.c_fc"] = "packed_colwise"
+    try:
+        ShardFormer(ShardConfig()).optimize(model)
+    except NotImplementedError as e:
+        out["style"] = str(e)
+    return out
+
+
+def test_model_without_policy_or_plan_and_unmapped_style_fail_with_the_fix():
+    got = run_distributed(_errors, 2)[0]
+    for fragment in ("_NoPlan", "base_model_tp_plan", "policy=", "LlamaForCausalLM"):
+        assert fragment in got.get("no_plan", ""), (fragment, got)
+    for fragment in ("'packed_colwise'", "model.layers.0.mlp.c_fc", "Starcoder2ForCausalLM", "policy="):
+        assert fragment in got.get("style", ""), (fragment, got)
