@@ -63,11 +63,19 @@ def _mlm_labels(g):
     return labels
 
 
+def _probe(t: torch.Tensor) -> torch.Tensor:
+    """`t` against a fixed random direction: a loss whose gradient is not zero in exact arithmetic (mean(h**2)
+    after a final RMSNorm of unit weight is constant, and its gradient pure rounding)."""
+    w = torch.randn(t.shape, generator=torch.Generator().manual_seed(7))
+    return (t * w).mean()
+
+
 def _hidden_loss(out):
     """A loss over every output of a headless model, so every parameter gets a gradient."""
-    loss = out.last_hidden_state.pow(2).mean()
-    if getattr(out, "pooler_output", None) is not None:
-        loss = loss + out.pooler_output.pow(2).mean()
+    loss = _probe(out.last_hidden_state)
+    for extra in ("pooler_output", "encoder_last_hidden_state"):
+        if getattr(out, extra, None) is not None:
+            loss = loss + _probe(getattr(out, extra))
     return loss
 
 
@@ -88,6 +96,93 @@ MODELS: dict[str, Family] = {
 }
 
 
+def _t5_config(**kw):
+    return transformers.T5Config(
+        vocab_size=VOCAB, d_model=H, d_kv=H // HEADS, d_ff=128, num_layers=LAYERS, num_decoder_layers=LAYERS,
+        num_heads=HEADS, relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, **kw,
+    )  # fmt: skip
+
+
+def _t5_batch(g):
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, -3:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+MODELS.update(
+    {
+        # relu feed-forward; decoder self-attention is causal, cross-attention reads the encoder output.
+        "t5": Family(
+            lambda: transformers.T5Model(_t5_config()),
+            lambda g: {**_t5_batch(g), "decoder_input_ids": torch.randint(0, VOCAB, (B, S - 2), generator=g)},
+            _hidden_loss,
+        ),
+        # gated-gelu feed-forward, lm_head tied to the shared embedding (T5's default), its own loss.
+        "t5_gen": Family(
+            lambda: transformers.T5ForConditionalGeneration(_t5_config(feed_forward_proj="gated-gelu")),
+            lambda g: {**_t5_batch(g), "labels": _mlm_labels(g)[:, : S - 2].contiguous()},
+        ),
+        "t5_encoder": Family(
+            lambda: transformers.T5EncoderModel(_t5_config()),
+            _t5_batch,
+            _hidden_loss,
+        ),
+    }
+)
+
+
+def _vit_config():
+    return transformers.ViTConfig(
+        hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=128, image_size=16,
+        patch_size=4, num_channels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+
+
+def _pixels(g):
+    return {"pixel_values": torch.randn(B, 3, 16, 16, generator=g)}
+
+
+MODELS.update(
+    {
+        "vit": Family(lambda: transformers.ViTModel(_vit_config()), _pixels, _hidden_loss),
+        "vit_cls": Family(
+            lambda: transformers.ViTForImageClassification(_vit_config()),
+            lambda g: {**_pixels(g), "labels": torch.randint(0, 3, (B,), generator=g)},
+        ),
+    }
+)
+
+
+def _whisper_config():
+    return transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, d_model=H, encoder_layers=LAYERS, decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        max_source_positions=8, max_target_positions=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+
+
+def _features(g):
+    # 16 frames: the stride-2 convolution makes the 8 encoder positions of max_source_positions.
+    return {"input_features": torch.randn(B, 8, 16, generator=g)}
+
+
+MODELS.update(
+    {
+        "whisper": Family(
+            lambda: transformers.WhisperModel(_whisper_config()),
+            lambda g: {**_features(g), "decoder_input_ids": torch.randint(1, VOCAB, (B, S), generator=g)},
+            _hidden_loss,
+        ),
+        "whisper_gen": Family(
+            lambda: transformers.WhisperForConditionalGeneration(_whisper_config()),
+            lambda g: {**_features(g), "labels": _mlm_labels(g)},
+        ),
+    }
+)
+
+
 def gathered(model, grads: bool = False) -> dict:
     """Every parameter (or its gradient) as the full unpadded tensor, by its first name; a parameter tied to a
     parallel layer's (BERT's `cls.predictions.bias`) is gathered through that layer."""
@@ -99,6 +194,8 @@ def gathered(model, grads: bool = False) -> dict:
     }
     out = {}
     for key, p in model.named_parameters():
+        if grads and not p.requires_grad:
+            continue  # frozen (Whisper's encoder position embedding)
         local = p.grad if grads else p
         if id(p) in owner:
             module, name = owner[id(p)]
@@ -158,7 +255,7 @@ def train_and_compare(fam: Family, case_id: str) -> None:
         loss = fam.loss(model(**batch))
         loss.backward()
         assert_close(loss, ref_loss, rtol=1e-5, name=f"{case_id} step {step} loss")
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
         _close(gathered(model, grads=True), ref_grads, f"{case_id} step {step} grad")
         ref_opt.step()
         opt.step()
@@ -169,13 +266,13 @@ def train_and_compare(fam: Family, case_id: str) -> None:
 
 def run_matrix(models: dict[str, Family], cases: list[Case]) -> dict[str, str | None]:
     """Every case on this process group; a failing case records its traceback and the next one runs (a
-    mismatch is found on every rank alike, so the ranks stay in step)."""
+    mismatch or an error is found on every rank alike, so the ranks stay in step)."""
     results = {}
     for case in cases:
         try:
             train_and_compare(models[case.model], case.id)
             results[case.id] = None
-        except AssertionError:
+        except Exception:
             results[case.id] = traceback.format_exc()
     return results
 
@@ -188,12 +285,18 @@ CASES = [Case(m, tp) for tp in (2, 4) for m in MODELS]
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(request):
+    """Case id -> None or the failure, from one process group per world size running the selected cases."""
+    selected = [
+        item.callspec.params["case"]
+        for item in request.session.items
+        if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})
+    ]
     cache: dict[int, dict] = {}
 
     def get(tp: int) -> dict:
         if tp not in cache:
-            cache[tp] = run_distributed(_matrix, tp, [c for c in CASES if c.tp == tp], timeout=600)[0]
+            cache[tp] = run_distributed(_matrix, tp, [c for c in selected if c.tp == tp], timeout=600)[0]
         return cache[tp]
 
     return get

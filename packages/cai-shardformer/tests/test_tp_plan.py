@@ -71,12 +71,18 @@ def _matrix(cases: list[Case]) -> dict[str, str | None]:
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(request):
+    """Case id -> None or the failure, from one process group per world size running the selected cases."""
+    selected = [
+        item.callspec.params["case"]
+        for item in request.session.items
+        if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})
+    ]
     cache: dict[int, dict] = {}
 
     def get(tp: int) -> dict:
         if tp not in cache:
-            cache[tp] = run_distributed(_matrix, tp, [c for c in CASES if c.tp == tp], timeout=600)[0]
+            cache[tp] = run_distributed(_matrix, tp, [c for c in selected if c.tp == tp], timeout=600)[0]
         return cache[tp]
 
     return get

@@ -21,6 +21,18 @@ _POLICY_LIST.update(
     }
 )
 
+_POLICY_LIST.update(
+    {
+        "T5Model": ("t5", "T5ModelPolicy"),
+        "T5ForConditionalGeneration": ("t5", "T5ForConditionalGenerationPolicy"),
+        "T5EncoderModel": ("t5", "T5EncoderPolicy"),
+        "ViTModel": ("vit", "ViTModelPolicy"),
+        "ViTForImageClassification": ("vit", "ViTForImageClassificationPolicy"),
+        "WhisperModel": ("whisper", "WhisperModelPolicy"),
+        "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGenerationPolicy"),
+    }
+)
+
 
 def get_autopolicy(model: nn.Module) -> Policy:
     """A fresh policy instance for `model`'s class; for a class without one, the policy derived from the model's

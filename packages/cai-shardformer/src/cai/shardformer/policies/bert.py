@@ -14,6 +14,7 @@ from cai.shardformer._layout import padded_vocab
 from cai.shardformer._linear import Linear1D_Col, Linear1D_Row
 from cai.shardformer._policy import ModulePolicyDescription, Policy
 from cai.shardformer._policy import SubModuleReplacementDescription as Sub
+from cai.shardformer.policies._common import check_divisible
 
 __all__ = [
     "BertForMaskedLMPolicy",
@@ -22,15 +23,6 @@ __all__ = [
     "BertModelPolicy",
     "BertPolicy",
 ]
-
-
-def check_divisible(name: str, tp: int, **sizes: int) -> None:
-    """Raise naming the first size (heads, intermediate size, ...) that does not divide over tp."""
-    for what, n in sizes.items():
-        if n % tp:
-            raise ValueError(
-                f"{name}: {what}={n} does not divide over tensor_parallel_size={tp}; use a tp size that divides {n}"
-            )
 
 
 class BertPolicy(Policy):
