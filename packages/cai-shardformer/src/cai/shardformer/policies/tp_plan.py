@@ -84,8 +84,12 @@ class TpPlanPolicy(Policy):
             raise NotImplementedError(
                 f"{name} has no base_model_tp_plan; write a policy and pass it as policy="
             )
+        self._entries: list[_Entry] = []
+        self._tied = False
+        if tp == 1:
+            return  # nothing is sharded, so no style needs a mapping (a MoE plan at tp 1 is fine)
         modules = dict(model.named_modules())
-        entries: list[_Entry] = []
+        entries = []
         for key, style in plan.items():
             pattern = _pattern(key)
             for path, module in modules.items():
