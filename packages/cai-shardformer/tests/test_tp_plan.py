@@ -41,6 +41,13 @@ def _causal_batch(g):
     return {"input_ids": ids, "labels": labels}
 
 
+def _cohere_without_head_plan():
+    """Cohere with the lm_head left out of its plan: tied to the vocab-parallel embedding, it must follow it."""
+    model = transformers.CohereForCausalLM(transformers.CohereConfig(**_COMMON))
+    del model.tp_plan["lm_head"]
+    return model
+
+
 MODELS: dict[str, Family] = {
     # q/k/v/o and gate/up/down colwise/rowwise, embedding_rowwise, tied embedding (Cohere's default), logit scale.
     "cohere": Family(
@@ -59,9 +66,13 @@ MODELS: dict[str, Family] = {
         lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**_COMMON, tie_word_embeddings=False)),
         _causal_batch,
     ),
+    "cohere_tied_unplanned_head": Family(_cohere_without_head_plan, _causal_batch),
 }
 
-CASES = [Case(m, tp) for tp in (2, 4) for m in MODELS]
+CASES = [
+    *(Case(m, tp) for tp in (2, 4) for m in ("cohere", "starcoder2", "olmo2")),
+    Case("cohere_tied_unplanned_head", 2),
+]
 
 
 def _matrix(cases: list[Case]) -> dict[str, str | None]:

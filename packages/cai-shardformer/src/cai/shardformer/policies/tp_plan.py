@@ -147,7 +147,8 @@ class TpPlanPolicy(Policy):
 
     def _vocab_parallel(self) -> bool:
         """Whether the embedding becomes vocab-parallel: the plan says so, or it is tied to a planned lm_head (a
-        tie holds only between two layers that split the vocabulary alike)."""
+        tie holds only between two layers that split the vocabulary alike; a tied lm_head the plan leaves out
+        follows a vocab-parallel embedding for the same reason)."""
         styles = {e.module: e.style for e in self._entries}
         if isinstance(self._input, nn.Embedding) and styles.get(self._input) == "embedding_rowwise":
             return True
@@ -171,6 +172,10 @@ class TpPlanPolicy(Policy):
         if vocab_parallel:
             input_path = next(p for p, m in modules.items() if m is self._input)
             subs.append(Sub(input_path, VocabParallelEmbedding1D, vocab))
+            planned = {e.module for e in self._entries}
+            if self._tied and self._output not in planned:  # the tied head splits its vocabulary alike
+                output_path = next(p for p, m in modules.items() if m is self._output)
+                subs.append(Sub(output_path, VocabParallelLMHead1D, {"gather_output": True, **vocab}))
         heads: dict[str, list[int]] = {}  # attention parent -> head counts of its split column layers
         for e in self._entries:
             head_dim = _head_dim(modules[e.parent])
