@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from cai.mesh.testing import assert_close, run_distributed
+from cai.mesh.testing import CollectiveCounter, assert_close, run_distributed
 from cai.shardformer import ParallelModule, ShardConfig, ShardFormer
 
 VOCAB = 251  # divides by neither 2 nor 4: the vocabulary is padded
@@ -312,3 +312,24 @@ def results(request):
 def test_training_matches_unsharded(case, results):
     error = results(case.tp)[case.id]
     assert error is None, error
+
+
+def _count_bert() -> tuple[list, list]:
+    torch.manual_seed(0)
+    model, _ = ShardFormer(ShardConfig()).optimize(transformers.BertModel(_bert_config()))
+    model.train()
+    batch = _bert_batch(torch.Generator().manual_seed(0))
+    with CollectiveCounter() as fwd:
+        loss = _hidden_loss(model(**batch))
+    with CollectiveCounter() as bwd:
+        loss.backward()
+    return [(e.op, e.nbytes) for e in fwd.events], [(e.op, e.nbytes) for e in bwd.events]
+
+
+def test_bert_issues_megatrons_collectives():
+    """Two all-reduces of b x s x h per encoder layer forward (attention output, MLP output) and two backward
+    (the attention region's input, the intermediate layer's input), plus the word embedding's forward one."""
+    fwd, bwd = run_distributed(_count_bert, 2)[0]
+    act = ("all_reduce", B * S * H * 4)
+    assert fwd == [act] * (2 * LAYERS + 1), fwd
+    assert bwd == [act] * (2 * LAYERS), bwd

@@ -1,6 +1,7 @@
 """The automatic policy from a model's `base_model_tp_plan`: three decoder families that have a plan and no
 cai-shardformer policy (Cohere, Starcoder2, Olmo2) against the same model unsharded in one process, fp32, 5 AdamW
-steps; the errors for a model with neither a policy nor a plan and for a plan style cai does not map."""
+steps; the collectives per layer; the errors for a model with neither a policy nor a plan and for a plan style cai
+does not map."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from cai.mesh.testing import run_distributed
+from cai.mesh.testing import CollectiveCounter, run_distributed
 from cai.shardformer import ShardConfig, ShardFormer
 from cai.shardformer.policies import get_autopolicy
 from cai.shardformer.policies.tp_plan import TpPlanPolicy
@@ -126,6 +127,30 @@ def _errors() -> dict[str, str]:
     except NotImplementedError as e:
         out["style"] = str(e)
     return out
+
+
+def _count() -> tuple[list, list]:
+    torch.manual_seed(0)
+    model, _ = ShardFormer(ShardConfig()).optimize(
+        transformers.CohereForCausalLM(transformers.CohereConfig(**_COMMON))
+    )
+    model.train()
+    ids = torch.randint(0, VOCAB, (B, S))
+    with CollectiveCounter() as fwd:
+        loss = model(input_ids=ids, labels=ids).loss
+    with CollectiveCounter() as bwd:
+        loss.backward()
+    return [(e.op, e.nbytes) for e in fwd.events], [(e.op, e.nbytes) for e in bwd.events]
+
+
+def test_plan_policy_issues_megatrons_collectives():
+    """The plan's attention and MLP blocks are tp input regions: two all-reduces of b x s x h per layer forward
+    and two backward, as the hand-written policies (plus the embedding's and the vocab-parallel loss's)."""
+    fwd, bwd = run_distributed(_count, 2)[0]
+    act = ("all_reduce", B * S * _COMMON["hidden_size"] * 4)
+    layers = _COMMON["num_hidden_layers"]
+    assert fwd.count(act) == 2 * layers + 2, fwd  # + the embedding, + the loss's hidden gradient
+    assert bwd == [act] * (2 * layers), bwd
 
 
 def test_model_without_policy_or_plan_and_unmapped_style_fail_with_the_fix():
