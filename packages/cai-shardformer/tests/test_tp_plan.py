@@ -126,6 +126,19 @@ def _errors() -> dict[str, str]:
         ShardFormer(ShardConfig()).optimize(model)
     except NotImplementedError as e:
         out["style"] = str(e)
+    three_heads = {**_COMMON, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}
+    try:  # through the plan: heads counted from the projection's width and the attention's head_dim
+        ShardFormer(ShardConfig()).optimize(
+            transformers.CohereForCausalLM(transformers.CohereConfig(**three_heads))
+        )
+    except ValueError as e:
+        out["plan_heads"] = str(e)
+    try:  # a hand-written encoder policy
+        ShardFormer(ShardConfig()).optimize(
+            transformers.BertModel(transformers.BertConfig(**{**three_heads, "num_key_value_heads": None}))
+        )
+    except ValueError as e:
+        out["bert_heads"] = str(e)
     return out
 
 
@@ -153,9 +166,14 @@ def test_plan_policy_issues_megatrons_collectives():
     assert bwd == [act] * (2 * layers), bwd
 
 
-def test_model_without_policy_or_plan_and_unmapped_style_fail_with_the_fix():
+def test_bad_models_fail_at_optimize_with_the_fix():
+    """No policy and no plan; a plan style cai does not map; heads that do not divide (plan and encoder policy)."""
     got = run_distributed(_errors, 2)[0]
     for fragment in ("_NoPlan", "base_model_tp_plan", "policy=", "LlamaForCausalLM"):
         assert fragment in got.get("no_plan", ""), (fragment, got)
     for fragment in ("'packed_colwise'", "model.layers.0.mlp.c_fc", "Starcoder2ForCausalLM", "policy="):
         assert fragment in got.get("style", ""), (fragment, got)
+    for fragment in ("model.layers.0.self_attn.k_proj", "3 heads", "tensor_parallel_size=2"):
+        assert fragment in got.get("plan_heads", ""), (fragment, got)
+    for fragment in ("BertModel", "num_attention_heads=3", "tensor_parallel_size=2"):
+        assert fragment in got.get("bert_heads", ""), (fragment, got)
