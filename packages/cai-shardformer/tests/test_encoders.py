@@ -46,7 +46,7 @@ def _bert_config():
     )  # fmt: skip
 
 
-def _bert_batch(g, **labels):
+def _bert_batch(g):
     ids = torch.randint(0, VOCAB, (B, S), generator=g)
     mask = torch.ones(B, S, dtype=torch.long)
     mask[1, -3:] = 0  # padding in the second sequence

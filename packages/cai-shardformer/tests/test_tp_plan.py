@@ -126,6 +126,11 @@ def _errors() -> dict[str, str]:
         ShardFormer(ShardConfig()).optimize(model)
     except NotImplementedError as e:
         out["style"] = str(e)
+    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**_COMMON, head_dim=16))
+    try:  # its embedding scales in its own forward: replacing it would silently drop the scale
+        ShardFormer(ShardConfig()).optimize(gemma2, policy=TpPlanPolicy())
+    except NotImplementedError as e:
+        out["subclass"] = str(e)
     three_heads = {**_COMMON, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}
     try:  # through the plan: heads counted from the projection's width and the attention's head_dim
         ShardFormer(ShardConfig()).optimize(
@@ -167,7 +172,8 @@ def test_plan_policy_issues_megatrons_collectives():
 
 
 def test_bad_models_fail_at_optimize_with_the_fix():
-    """No policy and no plan; a plan style cai does not map; heads that do not divide (plan and encoder policy)."""
+    """No policy and no plan; a plan style cai does not map; a planned layer whose class has its own forward;
+    heads that do not divide (plan and encoder policy)."""
     got = run_distributed(_errors, 2)[0]
     for fragment in ("_NoPlan", "base_model_tp_plan", "policy=", "LlamaForCausalLM"):
         assert fragment in got.get("no_plan", ""), (fragment, got)
@@ -175,5 +181,7 @@ def test_bad_models_fail_at_optimize_with_the_fix():
         assert fragment in got.get("style", ""), (fragment, got)
     for fragment in ("model.layers.0.self_attn.k_proj", "3 heads", "tensor_parallel_size=2"):
         assert fragment in got.get("plan_heads", ""), (fragment, got)
+    for fragment in ("model.embed_tokens", "Gemma2TextScaledWordEmbedding", "own forward", "policy="):
+        assert fragment in got.get("subclass", ""), (fragment, got)
     for fragment in ("BertModel", "num_attention_heads=3", "tensor_parallel_size=2"):
         assert fragment in got.get("bert_heads", ""), (fragment, got)

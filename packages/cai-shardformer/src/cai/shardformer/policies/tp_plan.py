@@ -109,6 +109,13 @@ class TpPlanPolicy(Policy):
         self._tied = out is not None and inp is not None and out.weight is inp.weight
         for e in self._entries:
             self._check(e, tp, name, modules)
+        planned = {e.module for e in self._entries}
+        if self._tied and (self._output in planned) != (self._input in planned):
+            # The tied partner the plan leaves out is replaced too (see _vocab_parallel).
+            partner = self._input if self._output in planned else self._output
+            path = next(p for p, m in modules.items() if m is partner)
+            style = "embedding_rowwise" if partner is self._input else "colwise_gather_output"
+            self._check(_Entry(path, style, partner, path.rpartition(".")[0]), tp, name, modules)
         multiple = self.shard_config.make_vocab_size_divisible_by
         for e in self._entries:  # raises with the fix
             if e.module is self._output:
@@ -129,6 +136,13 @@ class TpPlanPolicy(Policy):
             raise NotImplementedError(
                 f"{name}: the tp plan gives {e.path} the style {e.style!r}, but it is a {type(e.module).__name__}, "
                 f"not an nn.{kind.__name__}; write a policy for {name} and pass it as policy="
+            )
+        if type(e.module).forward is not kind.forward:
+            # Gemma's scaled word embedding multiplies in its forward: the parallel layer would drop that.
+            raise NotImplementedError(
+                f"{name}: {e.path} is a {type(e.module).__name__}, an nn.{kind.__name__} with its own forward, "
+                f"which the parallel layer for style {e.style!r} would not run; write a policy for {name} and pass "
+                f"it as policy="
             )
         head_dim = _head_dim(modules[e.parent])
         if kind is nn.Linear and e.module is not self._output:
