@@ -21,12 +21,21 @@ from cai.shardformer._linear import ParallelModule
 def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, ShardSpec]]:
     """(name, local tensor, the view of it that the spec describes, spec) for every state-dict entry."""
     keys = set(model.state_dict(keep_vars=True))
-    for mname, module in model.named_modules():
-        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        for pname, local in own:
-            key = f"{mname}.{pname}" if mname else pname
+    # A parameter tied to a parallel layer's (BERT's `cls.predictions.bias` is its decoder's bias) is a shard
+    # under every name: each name is reported through the layer that owns it.
+    owner = {
+        id(p): (m, n)
+        for m in model.modules()
+        if isinstance(m, ParallelModule)
+        for n, p in m.named_parameters(recurse=False)
+    }
+    for mname, owning in model.named_modules():
+        own = [*owning.named_parameters(recurse=False), *owning.named_buffers(recurse=False)]
+        for name, local in own:
+            key = f"{mname}.{name}" if mname else name
             if key not in keys or local is None:
                 continue
+            module, pname = owner.get(id(local), (owning, name))
             dim = module.split_dims.get(pname) if isinstance(module, ParallelModule) else None
             if dim is None:
                 yield key, local, local, ShardSpec.full(local.shape)
