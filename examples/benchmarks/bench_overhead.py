@@ -3,8 +3,9 @@
 ``patch_hf_model``), fused AdamW and bf16 autocast, plainly and through each wrapper at size 1.
 
 Rows: ``plain`` (the patched model), ``shardformer-tp1`` (``ShardFormer.optimize`` with a one-rank tensor-parallel
-group). All rows are built first and then timed in alternating rounds, so drift of the machine falls on every row
-alike; each row's figure is the median step time over its rounds, and the ratio is against ``plain``.
+group), ``pipeline-pp1`` (cai-pipeline's ``build_stages`` and the 1F1B schedule with one stage and one
+micro-batch: the same code path a pipeline takes, with nothing to send). All rows are built first and then timed
+in alternating rounds, so drift of the machine falls on every row alike; each row's figure is the median step time over its rounds, and the ratio is against ``plain``.
 
 Example::
 
@@ -27,10 +28,11 @@ import torch.distributed as dist
 from _models import PRESETS, preset_config
 from _perf import peak_memory_gib, synchronize
 
-ROWS = ("plain", "shardformer-tp1")
+ROWS = ("plain", "shardformer-tp1", "pipeline-pp1")
 
 
-def build(row: str, config, device: torch.device):
+def build(row: str, config, device: torch.device, batch: torch.Tensor):
+    """One row's training step as a zero-argument function (forward, backward, optimizer step, zero grad)."""
     from transformers import LlamaForCausalLM
 
     from cai.kernels import patch_hf_model
@@ -40,23 +42,42 @@ def build(row: str, config, device: torch.device):
         model = LlamaForCausalLM(config)
     model.config.use_cache = False
     patch_hf_model(model)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     if row == "shardformer-tp1":
         from cai.shardformer import ShardConfig, ShardFormer
 
         group = dist.new_group([dist.get_rank()])
         model, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=group)).optimize(model)
-    elif row != "plain":
+    if row in ("plain", "shardformer-tp1"):
+
+        def forward_backward() -> None:
+            with autocast:
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+
+    elif row == "pipeline-pp1":
+        from cai.mesh import ParallelDims
+        from cai.pipeline import OneForwardOneBackwardSchedule, PipelineStageManager, build_stages
+
+        manager = PipelineStageManager(ParallelDims(pp=1).build_mesh(), "pp")
+        model = build_stages(model, manager)
+        schedule = OneForwardOneBackwardSchedule(manager, num_microbatches=1)
+
+        def forward_backward() -> None:
+            with autocast:
+                data = iter([{"input_ids": batch, "labels": batch}])
+                schedule.forward_backward_step(model, data, lambda out, _: out["loss"])
+
+    else:
         raise ValueError(f"unknown row {row!r}: use one of {ROWS}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-    return model, optimizer
 
+    def step() -> None:
+        forward_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-def step(model, optimizer, batch: torch.Tensor, device: torch.device) -> None:
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        loss = model(input_ids=batch, labels=batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    return step
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=8)
     p.add_argument("-l", "--max-length", type=int, default=2048)
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {ROWS}")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds; each row runs --steps per round")
+    p.add_argument(
+        "--rounds", type=int, default=5, help="alternating rounds; each row runs --steps per round"
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps per row per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
     args = p.parse_args(argv)
@@ -79,30 +102,34 @@ def main(argv: list[str] | None = None) -> None:
     batch = torch.randint(1, config.vocab_size, (args.batch_size, args.max_length), generator=gen).to(device)
 
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    built = {row: build(row, config, device) for row in rows}
+    steps = {row: build(row, config, device, batch) for row in rows}
     for row in rows:
         for _ in range(args.warmup):
-            step(*built[row], batch, device)
+            steps[row]()
     times: dict[str, list[float]] = {row: [] for row in rows}
     for r in range(args.rounds):
         for row in rows if r % 2 == 0 else rows[::-1]:
             synchronize(device)
             start = time.perf_counter()
             for _ in range(args.steps):
-                step(*built[row], batch, device)
+                steps[row]()
             synchronize(device)
             times[row].append((time.perf_counter() - start) / args.steps)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     tokens = args.batch_size * args.max_length
     base = statistics.median(times[rows[0]])
-    print(f"\n{args.config}, batch {args.batch_size} x {args.max_length}, {device.type}, peak {peak_memory_gib(device):.1f} GiB")
+    print(
+        f"\n{args.config}, batch {args.batch_size} x {args.max_length}, {device.type}, peak {peak_memory_gib(device):.1f} GiB"
+    )
     print(f"| row | step ms (median of {args.rounds}) | min-max ms | tokens/s | vs {rows[0]} |")
     print("|---|---|---|---|---|")
     for row in rows:
         med = statistics.median(times[row])
         lo, hi = min(times[row]), max(times[row])
-        print(f"| {row} | {med * 1e3:.1f} | {lo * 1e3:.1f}-{hi * 1e3:.1f} | {tokens / med:,.0f} | {med / base:.3f} |")
+        print(
+            f"| {row} | {med * 1e3:.1f} | {lo * 1e3:.1f}-{hi * 1e3:.1f} | {tokens / med:,.0f} | {med / base:.3f} |"
+        )
     dist.destroy_process_group()
 
 
