@@ -5,7 +5,8 @@
 Rows: ``plain`` (the patched model), ``shardformer-tp1`` (``ShardFormer.optimize`` with a one-rank tensor-parallel
 group), ``pipeline-pp1`` (cai-pipeline's ``build_stages`` and the 1F1B schedule with one stage and one
 micro-batch: the same code path a pipeline takes, with nothing to send). All rows are built first and then timed
-in alternating rounds, so drift of the machine falls on every row alike; each row's figure is the median step time over its rounds, and the ratio is against ``plain``.
+in alternating rounds, so drift of the machine falls on every row alike; each row's figure is the median step
+time over its rounds, and the ratio is against ``plain``. Peak memory is the process's, all rows together.
 
 Example::
 
