@@ -307,17 +307,20 @@ def _bubble_table(pp: int, trace: str):
         c = 1 if name == "1f1b" else 2
         chunks = [SleepStage(0.0, 0.0) for _ in range(c)]
         batch = {"x": torch.ones(m, WIDTH)}
-        for sleep in (
-            0.0,
-            2 * unit / c,
-        ):  # the first step exchanges the metadata, without sleeps: measure the second
+        measured = []
+        # the first step exchanges the metadata, without sleeps; of three measured steps keep the least disturbed
+        # (a late wake-up on a busy host only ever adds idle time)
+        for sleep in (0.0, *[2 * unit / c] * 3):
             for chunk in chunks:
                 chunk.f = chunk.b = sleep
             schedule.forward_backward_step(chunks, iter([batch]), lambda out, _b: out["h"].mean())
-        timeline = schedule.timeline.gather()
+            if sleep:
+                timeline = schedule.timeline.gather()
+                measured.append((timeline.bubble_fraction(), timeline))
+        bubble, timeline = min(measured, key=lambda x: x[0])
         cost = {kind: 2.0 / c for kind in "FBW"}
         predicted = simulate(schedule.plan(m), cost, latency)[1]
-        rows.append((name, m, timeline.bubble_fraction(), predicted))
+        rows.append((name, m, bubble, predicted))
         if (name, m) == ("zbv", 2 * pp):
             text = f"unit {unit * 1e3:.1f} ms, latency {latency:.3f} unit\n{timeline.text(60)}"
             if dist.get_rank() == 0:
@@ -333,7 +336,7 @@ def test_measured_bubble_follows_the_schedules(pp, tmp_path):
         return abs(got - want) <= max(0.1 * want, 0.015)
 
     for _ in range(3):  # sleeps on a loaded host: retry a measurement that a late wake-up spoiled
-        rows, text = run_distributed(_bubble_table, pp, pp, str(tmp_path / "zbv.json"))[0]
+        rows, text = run_distributed(_bubble_table, pp, pp, str(tmp_path / "zbv.json"), timeout=300)[0]
         print(f"\npp={pp}|   schedule|  m|measured|simulated at latency|(p-1)/(m+p-1)|(p-1)/(2m+p-1)")
         for n, m, got, want in rows:
             f1, f2 = (pp - 1) / (m + pp - 1), (pp - 1) / (2 * m + pp - 1)
