@@ -216,6 +216,15 @@ def _bad_input_on_two_stages():
     with pytest.raises(ValueError, match="batch size 10 is not divisible by num_microbatches=4"):
         one.forward_backward_step(chunks[:1], iter([batch]), _criterion)
     assert all(p.grad is None for c in chunks for p in c.parameters())
+    # forward only (grad disabled): the plan's forwards alone, the loss of the model in one process
+    stage = Blocks(_model()[:2], first=True) if dist.get_rank() == 0 else Blocks(_model()[2:4], first=False)
+    batch = _batches()[0]
+    with torch.no_grad():
+        out = one.forward_backward_step(stage, iter([batch]), _criterion, return_outputs=True)
+        want = _criterion(Blocks(_model()[:4], first=True)(None, batch), batch)
+    assert abs(out["loss"].item() - want.item()) <= 1e-6 * abs(want.item())
+    assert (out["outputs"] is not None) == (dist.get_rank() == 1)
+    assert all(p.grad is None for p in stage.parameters())
     return True
 
 
