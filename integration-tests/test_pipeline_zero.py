@@ -15,7 +15,7 @@ from cai.mesh.testing import CollectiveCounter, assert_close, run_distributed
 from cai.pipeline import PipelineStageManager, build_schedule
 from cai.zero import ZeroConfig, ZeroOptimizer
 
-WIDTH, BLOCKS, BATCH, STEPS, M = 32, 4, 16, 5, 4
+WIDTH, BLOCKS, BATCH, STEPS, M = 32, 4, 16, 3, 4
 
 
 class Blocks(nn.Module):

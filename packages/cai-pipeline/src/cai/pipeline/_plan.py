@@ -110,18 +110,27 @@ def interleaved(num_stages: int, m: int, num_chunks: int) -> Plan:
     return Plan(Layout(p, c), m, tuple(stages), False)
 
 
+def _v_cost(kind: str, virtual: int) -> int:
+    if virtual == 0 and kind != "F":
+        return 0 if kind == "B" else 2
+    return 1
+
+
 def zero_bubble_v(num_stages: int, m: int) -> Plan:
     """Zero-bubble V: two chunks per stage in a V, backward split into B and W, ordered by a greedy simulation.
 
     Each stage, whenever it is free, runs a ready B (it unblocks the stage before it; chunk 0 first, whose input
-    gradient the previous stage waits for), else a ready F (chunk 1 first, nearer the loss) while it holds fewer than
-    ``2 * num_stages`` chunk activations (the memory of 1F1B's first stage), else a pending W, which fills what would
-    otherwise be a bubble. Costs are equal units (F = B = W), the case the V shape is designed for. These priorities
-    reach the lower bound (the last stage idles only for its first ``num_stages - 1`` forwards) at m = 2S for S in
-    {2, 4}; other orders tried (chunk 1's B first, chunk 0's F first) lose one to four units.
+    gradient the previous stage waits for), else a ready F (chunk 1 first, nearer the loss) while it holds at most
+    ``2 * num_stages`` chunk activations (1F1B's first stage holds S micro-batches: 2S chunk halves; the one extra
+    half absorbs the first virtual stage's two-unit W), else a pending W, which fills what would otherwise be a
+    bubble. Costs are equal units (F = B = W), the case the V shape is designed for, except on the
+    first virtual stage: it has no input to differentiate, so the runtime's B there is empty and its W is the whole
+    backward (two units; see [Note: split backward and gradient hooks]). These priorities reach the lower bound (the
+    last stage idles only for its first ``num_stages - 1`` forwards) at m = 2S for S in {2, 4}; other orders and
+    limits tried (chunk 0's F first; 2S chunk activations) lose one to four units.
     """
     layout = Layout(num_stages, 2, "v")
-    limit = 2 * num_stages
+    limit = 2 * num_stages + 1
     done: dict[tuple[str, int, int], int] = {}  # (kind, virtual, mb) -> finish time
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(num_stages)]
     alive = [0] * num_stages
@@ -130,55 +139,62 @@ def zero_bubble_v(num_stages: int, m: int) -> Plan:
     acts: list[list[Action]] = [[] for _ in range(num_stages)]
     last = layout.num_virtual - 1
     t = 0
+    busy_until = [0] * num_stages
     remaining = 3 * 2 * m * num_stages
     while remaining:
         if t > 12 * m * num_stages:  # every action is ready within a few units of its predecessors
             raise AssertionError(f"zero-bubble V plan did not complete (S={num_stages}, m={m})")
         for s in range(num_stages):
-            choice = None
-            for chunk in (0, 1):
-                v, mb = layout.virtual(s, chunk), next_b[s][chunk]
-                if (
-                    mb < m
-                    and done.get(("F", v, mb), t + 1) <= t
-                    and (v == last or done.get(("B", v + 1, mb), t + 1) <= t)
-                ):
-                    choice = Action("B", chunk, mb)
-                    break
-            if choice is None and alive[s] < limit:
-                for chunk in (1, 0):
-                    v, mb = layout.virtual(s, chunk), next_f[s][chunk]
-                    if mb < m and (v == 0 or done.get(("F", v - 1, mb), t + 1) <= t):
-                        choice = Action("F", chunk, mb)
+            while (
+                busy_until[s] <= t
+            ):  # a zero-cost action (B of the first virtual stage) frees the stage at once
+                choice = None
+                for chunk in (0, 1):
+                    v, mb = layout.virtual(s, chunk), next_b[s][chunk]
+                    if (
+                        mb < m
+                        and done.get(("F", v, mb), t + 1) <= t
+                        and (v == last or done.get(("B", v + 1, mb), t + 1) <= t)
+                    ):
+                        choice = Action("B", chunk, mb)
                         break
-            if choice is None and pending_w[s]:
-                chunk, mb = pending_w[s].pop(0)
-                choice = Action("W", chunk, mb)
-            if choice is None:
-                continue
-            v = layout.virtual(s, choice.chunk)
-            done[(choice.kind, v, choice.mb)] = t + 1
-            acts[s].append(choice)
-            remaining -= 1
-            if choice.kind == "F":
-                next_f[s][choice.chunk] += 1
-                alive[s] += 1
-            elif choice.kind == "B":
-                next_b[s][choice.chunk] += 1
-                pending_w[s].append((choice.chunk, choice.mb))
-            else:
-                alive[s] -= 1
+                if choice is None and alive[s] < limit:
+                    for chunk in (1, 0):
+                        v, mb = layout.virtual(s, chunk), next_f[s][chunk]
+                        if mb < m and (v == 0 or done.get(("F", v - 1, mb), t + 1) <= t):
+                            choice = Action("F", chunk, mb)
+                            break
+                if choice is None and pending_w[s]:
+                    chunk, mb = pending_w[s].pop(0)
+                    choice = Action("W", chunk, mb)
+                if choice is None:
+                    break
+                v = layout.virtual(s, choice.chunk)
+                busy_until[s] = t + _v_cost(choice.kind, v)
+                done[(choice.kind, v, choice.mb)] = busy_until[s]
+                acts[s].append(choice)
+                remaining -= 1
+                if choice.kind == "F":
+                    next_f[s][choice.chunk] += 1
+                    alive[s] += 1
+                elif choice.kind == "B":
+                    next_b[s][choice.chunk] += 1
+                    pending_w[s].append((choice.chunk, choice.mb))
+                else:
+                    alive[s] -= 1
         t += 1
     return Plan(layout, m, tuple(tuple(a) for a in acts), True)
 
 
 def simulate(
-    plan: Plan, cost: dict[str, float] | None = None
+    plan: Plan, cost: dict[str, float] | None = None, latency: float = 0.0
 ) -> tuple[list[list[tuple[Action, float, float]]], float]:
-    """Run ``plan`` with per-action costs (per chunk; default 1 each) and free communication.
+    """Run ``plan`` with per-action costs (per chunk; default 1 each) and ``latency`` per message between stages.
 
-    Returns each stage's (action, start, end) list and the predicted bubble fraction. Raises ValueError naming the
-    stuck actions when the plan would deadlock (an action waits for one that comes after it on its stage).
+    In plans with W actions the first virtual stage's B costs nothing and its W costs B + W, as the runtime runs them
+    (that stage has no input gradient). Returns each stage's (action, start, end) list and the predicted bubble
+    fraction. Raises ValueError naming the stuck actions when the plan would deadlock (an action waits for one that
+    comes after it on its stage).
     """
     cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
     lay, m = plan.layout, plan.num_microbatches
@@ -204,8 +220,13 @@ def simulate(
                     deps = [("B", v, a.mb)]
                 if any(d not in finish for d in deps):
                     break
-                start = max([clock[s]] + [finish[d] for d in deps])
-                clock[s] = start + cost[a.kind]
+                start = max(
+                    [clock[s]] + [finish[d] + (latency if lay.place(d[1])[0] != s else 0.0) for d in deps]
+                )
+                c = cost[a.kind]
+                if plan.split_backward and v == 0 and a.kind != "F":
+                    c = 0.0 if a.kind == "B" else cost["B"] + cost["W"]
+                clock[s] = start + c
                 finish[(a.kind, v, a.mb)] = clock[s]
                 out[s].append((a, start, clock[s]))
                 pos[s] += 1
