@@ -142,6 +142,10 @@ class Linear1D_Col(ParallelModule):
         new.weight.requires_grad_(module.weight.requires_grad)
         return new
 
+    def _linear_weight(self) -> torch.Tensor:
+        """The weight as (out, in) for `F.linear` (GPT-2's Conv1D layers store it transposed)."""
+        return self.weight
+
     def _with_replica_grads(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or self._replica_group is None:
             return t
@@ -160,7 +164,7 @@ class Linear1D_Col(ParallelModule):
             x = gather_seq(x, self.seq_parallel_dim, self.process_group)
         elif self.reduce_input_grad:
             x = copy_to_tp_region(x, self.process_group)
-        weight = self._with_replica_grads(self.weight)
+        weight = self._with_replica_grads(self._linear_weight())
         bias = self._with_replica_grads(self.bias)
         y = F.linear(x, weight, None if self.skip_bias_add else bias)  # (..., out_features / tp)
         if self.gather_output:
@@ -247,10 +251,14 @@ class Linear1D_Row(ParallelModule):
                 new.bias.copy_(module.bias)
         return new
 
+    def _linear_weight(self) -> torch.Tensor:
+        """The weight as (out, in) for `F.linear` (GPT-2's Conv1D layers store it transposed)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.process_group)
-        y = F.linear(x, self.weight)  # (..., out_features), a partial sum over this rank's input features
+        y = F.linear(x, self._linear_weight())  # (..., out_features), a partial sum over this rank's inputs
         if self.seq_parallel_mode == "split_gather":
             y = reduce_scatter_seq(y, self.seq_parallel_dim, self.process_group)
         else:

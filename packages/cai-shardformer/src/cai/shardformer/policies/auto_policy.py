@@ -14,6 +14,13 @@ _POLICY_LIST: dict[str, tuple[str, str]] = {
     for family, module in (("Llama", "llama"), ("Mistral", "mistral"), ("Qwen2", "qwen2"), ("Qwen3", "qwen3"))
     for suffix, policy in (("Model", "ModelPolicy"), ("ForCausalLM", "ForCausalLMPolicy"))
 }
+# The decoder families with their own layouts (Colossal-AI's policy class names).
+_POLICY_LIST.update(
+    {
+        "GPT2Model": ("gpt2", "GPT2ModelPolicy"),
+        "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModelPolicy"),
+    }
+)
 
 
 def get_autopolicy(model: nn.Module) -> Policy:
