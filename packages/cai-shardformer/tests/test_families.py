@@ -51,6 +51,35 @@ def _tiny(case: Case):
             resid_pdrop=NO_DROPOUT, embd_pdrop=NO_DROPOUT, attn_pdrop=NO_DROPOUT, tie_word_embeddings=tie,
         )  # fmt: skip
         cls = t.GPT2LMHeadModel
+    elif case.family in (
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+    ):  # Llama-shaped: 2 kv heads (replicated at tp 4)
+        common = dict(
+            vocab_size=VOCAB, hidden_size=H, intermediate_size=128, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+            attention_dropout=NO_DROPOUT,
+        )  # fmt: skip
+        if case.family == "mixtral":  # 4 experts, top 2, the router's auxiliary loss in the loss
+            cfg = t.MixtralConfig(
+                **common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                router_aux_loss_coef=0.1,
+            )  # fmt: skip
+            cls = t.MixtralForCausalLM
+        elif case.family == "gemma":
+            cfg, cls = t.GemmaConfig(**common, head_dim=H // HEADS), t.GemmaForCausalLM
+        elif case.family == "gemma2":  # soft-capped attention and logits
+            cfg, cls = (
+                t.Gemma2Config(**common, head_dim=H // HEADS, query_pre_attn_scalar=16),
+                t.Gemma2ForCausalLM,
+            )
+        else:  # per-head q/k norms, sliding and full attention layers
+            cfg = t.Gemma3TextConfig(
+                **common, head_dim=H // HEADS, query_pre_attn_scalar=16, sliding_window=4
+            )
+            cls = t.Gemma3ForCausalLM
     else:
         raise ValueError(case.family)
     torch.manual_seed(0)
@@ -77,6 +106,7 @@ def _train(case: Case) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
     ref.train()
     model.train()
+    softcap = getattr(ref.config, "final_logit_softcapping", None)
     g = torch.Generator().manual_seed(5)
     for step in range(5):
         ids = torch.randint(0, VOCAB, (B, S), generator=g)
@@ -85,9 +115,14 @@ def _train(case: Case) -> None:
         ref_out = ref(input_ids=ids, labels=labels)
         ref_out.loss.backward()
         out = model(input_ids=ids, labels=labels)
-        assert out.logits is None  # the vocab-parallel loss came from the hidden states
+        if softcap is None:
+            assert out.logits is None  # the vocab-parallel loss came from the hidden states
+        else:
+            assert out.logits.shape == (B, S, VOCAB)  # soft-capped logits, gathered, and the model's own loss
         out.loss.backward()
         assert_close(out.loss, ref_out.loss, rtol=1e-5, name=f"step {step} loss")
+        if getattr(ref_out, "aux_loss", None) is not None:  # Mixtral's router load-balancing loss
+            assert_close(out.aux_loss, ref_out.aux_loss, rtol=1e-5, name=f"step {step} aux loss")
         _close(
             gathered(model, grads=True), {n: p.grad for n, p in ref.named_parameters()}, f"step {step} grad"
         )
@@ -114,9 +149,12 @@ def _train_all(cases: list[Case]) -> None:
 
 
 CASES = {
-    2: [Case("gpt2"), Case("gpt2", tie=True)],
-    4: [Case("gpt2", tie=True)],
-}
+    2: [
+        Case("gpt2"), Case("gpt2", tie=True), Case("gemma", tie=True), Case("gemma"), Case("gemma2", tie=True),
+        Case("gemma3", tie=True), Case("mixtral"), Case("mixtral", tie=True),
+    ],
+    4: [Case("gpt2", tie=True), Case("gemma", tie=True), Case("gemma3", tie=True), Case("mixtral")],
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("tp", sorted(CASES))

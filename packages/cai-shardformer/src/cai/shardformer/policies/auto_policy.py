@@ -19,6 +19,14 @@ _POLICY_LIST.update(
     {
         "GPT2Model": ("gpt2", "GPT2ModelPolicy"),
         "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModelPolicy"),
+        "GemmaModel": ("gemma", "GemmaModelPolicy"),
+        "GemmaForCausalLM": ("gemma", "GemmaForCausalLMPolicy"),
+        "Gemma2Model": ("gemma", "Gemma2ModelPolicy"),
+        "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLMPolicy"),
+        "Gemma3TextModel": ("gemma", "Gemma3TextModelPolicy"),
+        "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLMPolicy"),
+        "MixtralModel": ("mixtral", "MixtralModelPolicy"),
+        "MixtralForCausalLM": ("mixtral", "MixtralForCausalLMPolicy"),
     }
 )
 
