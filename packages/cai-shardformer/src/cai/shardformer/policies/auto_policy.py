@@ -27,6 +27,10 @@ _POLICY_LIST.update(
         "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLMPolicy"),
         "MixtralModel": ("mixtral", "MixtralModelPolicy"),
         "MixtralForCausalLM": ("mixtral", "MixtralForCausalLMPolicy"),
+        "OPTModel": ("opt", "OPTModelPolicy"),
+        "OPTForCausalLM": ("opt", "OPTForCausalLMPolicy"),
+        "GPTJModel": ("gptj", "GPTJModelPolicy"),
+        "GPTJForCausalLM": ("gptj", "GPTJForCausalLMPolicy"),
     }
 )
 
