@@ -37,6 +37,7 @@ class Case:
     family: str
     tie: bool = False  # lm_head shares the embedding's weight
     variant: str = ""  # a family's alternative layout (Falcon's multi_query / new_decoder_architecture, ...)
+    kv_heads: int = 2  # Falcon's new_decoder_architecture kv groups
 
     @property
     def name(self) -> str:
@@ -65,6 +66,24 @@ def _tiny(case: Case):
             resid_pdrop=NO_DROPOUT, embd_pdrop=NO_DROPOUT, attn_pdrop=NO_DROPOUT, tie_word_embeddings=tie,
         )  # fmt: skip
         cls = t.GPTJForCausalLM
+    elif case.family == "bloom":  # fused qkv interleaved per head, ALiBi per head
+        cfg = t.BloomConfig(
+            vocab_size=VOCAB, hidden_size=H, n_layer=LAYERS, n_head=HEADS, hidden_dropout=NO_DROPOUT,
+            attention_dropout=NO_DROPOUT, tie_word_embeddings=tie,
+        )  # fmt: skip
+        cls = t.BloomForCausalLM
+    elif case.family == "falcon":  # the three query_key_value layouts
+        layout = {
+            "multi_query": dict(multi_query=True, parallel_attn=True, bias=False),
+            "new_arch": dict(new_decoder_architecture=True, num_kv_heads=case.kv_heads, bias=False),
+            "mha": dict(multi_query=False, parallel_attn=False, bias=True),
+        }[case.variant]
+        cfg = t.FalconConfig(
+            vocab_size=VOCAB, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+            ffn_hidden_size=128, max_position_embeddings=64, alibi=False, hidden_dropout=NO_DROPOUT,
+            attention_dropout=NO_DROPOUT, tie_word_embeddings=tie, **layout,
+        )  # fmt: skip
+        cls = t.FalconForCausalLM
     elif case.family in LLAMA_SHAPED:  # 2 kv heads (replicated at tp 4)
         common = dict(
             vocab_size=VOCAB, hidden_size=H, intermediate_size=128, num_hidden_layers=LAYERS,
@@ -173,9 +192,15 @@ CASES = {
     2: [
         Case("gpt2"), Case("gpt2", tie=True), Case("gemma", tie=True), Case("gemma"), Case("gemma2", tie=True),
         Case("gemma3", tie=True), Case("mixtral"), Case("mixtral", tie=True), Case("opt", tie=True), Case("opt"),
-        Case("gptj"), Case("gptj", tie=True),
+        Case("gptj"), Case("gptj", tie=True), Case("bloom"), Case("bloom", tie=True),
+        Case("falcon", tie=True, variant="multi_query"), Case("falcon", variant="new_arch"),
+        Case("falcon", tie=True, variant="mha"),
     ],
-    4: [Case("gpt2", tie=True), Case("gemma", tie=True), Case("gemma3", tie=True), Case("mixtral"), Case("opt", tie=True), Case("gptj")],
+    4: [
+        Case("gpt2", tie=True), Case("gemma", tie=True), Case("gemma3", tie=True), Case("mixtral"),
+        Case("opt", tie=True), Case("gptj"), Case("bloom", tie=True), Case("falcon", tie=True, variant="multi_query"),
+        Case("falcon", variant="new_arch", kv_heads=4),
+    ],
 }  # fmt: skip
 
 

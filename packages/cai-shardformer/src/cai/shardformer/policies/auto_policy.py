@@ -31,6 +31,10 @@ _POLICY_LIST.update(
         "OPTForCausalLM": ("opt", "OPTForCausalLMPolicy"),
         "GPTJModel": ("gptj", "GPTJModelPolicy"),
         "GPTJForCausalLM": ("gptj", "GPTJForCausalLMPolicy"),
+        "BloomModel": ("bloom", "BloomModelPolicy"),
+        "BloomForCausalLM": ("bloom", "BloomForCausalLMPolicy"),
+        "FalconModel": ("falcon", "FalconModelPolicy"),
+        "FalconForCausalLM": ("falcon", "FalconForCausalLMPolicy"),
     }
 )
 

@@ -1,0 +1,76 @@
+"""Falcon policies for its three `query_key_value` layouts (transformers' FalconAttention):
+
+- new_decoder_architecture: kv groups one after another, each [q heads of the group, k, v]: one split of
+  `num_kv_heads` blocks, so tp must divide num_kv_heads (a group's query heads cannot be replicated);
+- multi_query: [all q heads | k | v] with one kv head: q split by heads, k and v replicated on every rank (their
+  gradients summed over the tp group, as replicated GQA heads);
+- neither: per head [q, k, v] interleaved, as Bloom: one split of `num_attention_heads` blocks.
+
+`dense` row; the MLP's dense_h_to_4h column, dense_4h_to_h row; word embeddings and the (tied) lm_head
+vocab-parallel. Rotary embeddings only: Falcon's ALiBi variant is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cai.shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row
+from cai.shardformer._policy import ModulePolicyDescription
+from cai.shardformer._policy import SubModuleReplacementDescription as Sub
+from cai.shardformer.policies._decoder import DecoderPolicy
+
+__all__ = ["FalconForCausalLMPolicy", "FalconModelPolicy", "FalconPolicy"]
+
+
+class FalconPolicy(DecoderPolicy):
+    stack = "FalconModel"
+    embedding = "word_embeddings"
+
+    def divisible(self) -> dict[str, int]:
+        cfg = self.model.config
+        out = {"num_attention_heads": cfg.num_attention_heads, "ffn_hidden_size": cfg.ffn_hidden_size}
+        if cfg.new_decoder_architecture:
+            out["num_kv_heads (kv groups of new_decoder_architecture)"] = cfg.num_kv_heads
+        return out
+
+    def check(self) -> None:
+        if self.model.config.alibi:
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: alibi=True builds per-head biases inside FalconModel.forward, which "
+                f"this policy does not split over tp ranks yet; use a rotary Falcon (alibi=False) or tp=1"
+            )
+
+    def layer_policy(self, tp: int) -> dict[Any, ModulePolicyDescription]:
+        cfg = self.model.config
+        nh, h = cfg.num_attention_heads, cfg.hidden_size
+        col = {"reduce_input_grad": False}  # see [Note: one all-reduce per region]
+        attrs: dict[str, Any] = {"self_attention.num_heads": nh // tp}
+        if cfg.new_decoder_architecture:
+            qkv = Sub("self_attention.query_key_value", Linear1D_Col, {**col, "num_heads": cfg.num_kv_heads})
+            attrs["self_attention.num_kv_heads"] = cfg.num_kv_heads // tp
+        elif cfg.multi_query:
+            hd = h // nh
+            kw = {**col, "split_sizes": [h, hd, hd], "num_heads": [nh, 1, 1]}
+            qkv = Sub("self_attention.query_key_value", FusedLinear1D_Col, kw)  # num_kv_heads stays 1
+        else:
+            qkv = Sub("self_attention.query_key_value", Linear1D_Col, {**col, "num_heads": nh})
+            attrs["self_attention.num_kv_heads"] = nh // tp
+        return {
+            "FalconDecoderLayer": ModulePolicyDescription(
+                attribute_replacement=attrs,
+                sub_module_replacement=[
+                    qkv,
+                    Sub("self_attention.dense", Linear1D_Row, {"num_heads": nh}),
+                    Sub("mlp.dense_h_to_4h", Linear1D_Col, col),
+                    Sub("mlp.dense_4h_to_h", Linear1D_Row),
+                ],
+                tp_input_regions=["self_attention", "mlp"],
+            )
+        }
+
+
+class FalconModelPolicy(FalconPolicy):
+    pass
+
+
+class FalconForCausalLMPolicy(FalconPolicy):
+    pass
