@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 
 from cai.mesh.testing import CollectiveCounter, assert_close, run_distributed
@@ -44,7 +45,7 @@ class Case:
         return "-".join(filter(None, [self.family, self.variant, "tied" if self.tie else "untied"]))
 
 
-def _tiny(case: Case):
+def _tiny(case: Case, **overrides):
     t = transformers
     tie = case.tie
     if case.family == "gpt2":
@@ -110,6 +111,8 @@ def _tiny(case: Case):
             cls = t.Gemma3ForCausalLM
     else:
         raise ValueError(case.family)
+    for key, value in overrides.items():  # the error tests' bad values
+        setattr(cfg, key, value)
     torch.manual_seed(0)
     model = cls(cfg)
     # Hugging Face initialises biases and norms to constants: random ones make a wrongly split bias visible, and
@@ -231,3 +234,43 @@ def test_gpt2_collectives_per_layer_are_megatrons():
     assert sorted(e.nbytes for e in fwd if e.nbytes != act) == sorted([8, B * S * 4, 3 * B * S * 4])
     assert {e.op for e in fwd} == {"all_reduce"}
     assert [(e.op, e.nbytes) for e in bwd] == [("all_reduce", act)] * (2 * LAYERS)
+
+
+# kind -> (case, config overrides, expected error type or None, fragments of the message), all at tp 4
+ERRORS = {
+    "gpt2_heads": (Case("gpt2"), {"n_head": 2}, "ValueError", ["GPT2LMHeadModel", "n_head=2", "tensor_parallel_size=4"]),
+    "gpt2_cross_attention": (Case("gpt2"), {"add_cross_attention": True}, "NotImplementedError", ["add_cross_attention=True", "policy="]),
+    "opt_ffn": (Case("opt"), {"ffn_dim": 130}, "ValueError", ["ffn_dim=130", "tensor_parallel_size=4"]),
+    "bloom_slow_but_exact": (Case("bloom"), {"pretraining_tp": 2, "slow_but_exact": True}, "NotImplementedError", ["slow_but_exact=True", "pretraining_tp=2"]),
+    "falcon_kv_groups": (Case("falcon", variant="new_arch"), {}, "ValueError", ["num_kv_heads", "=2", "tensor_parallel_size=4"]),
+    "falcon_alibi": (Case("falcon", variant="mha"), {"alibi": True}, "NotImplementedError", ["alibi=True", "alibi=False"]),
+    "gemma_vocab": (Case("gemma"), {}, "ValueError", ["251", "tp=4", "make_vocab_size_divisible_by"]),
+    # The experts stay replicated: an intermediate size that does not divide by tp is no error.
+    "mixtral_intermediate": (Case("mixtral"), {"intermediate_size": 130}, None, []),
+}  # fmt: skip
+
+
+def _errors() -> dict:
+    # No rank leaves before every rank has joined the group (as test_policies.py's error test).
+    dist.barrier()
+    out = {}
+    for kind, (case, overrides, _, _) in ERRORS.items():
+        padding = None if kind == "gemma_vocab" else 64
+        try:
+            ShardFormer(ShardConfig(make_vocab_size_divisible_by=padding)).optimize(_tiny(case, **overrides))
+            out[kind] = None
+        except (ValueError, NotImplementedError) as e:
+            out[kind] = (type(e).__name__, str(e))
+    return out
+
+
+def test_family_configuration_errors_name_the_values():
+    got = run_distributed(_errors, 4)[0]
+    for kind, (_, _, want_type, fragments) in ERRORS.items():
+        if want_type is None:
+            assert got[kind] is None, (kind, got[kind])
+            continue
+        assert got[kind] is not None, f"{kind}: no error raised"
+        assert got[kind][0] == want_type, (kind, got[kind])
+        for f in fragments:
+            assert f in got[kind][1], (kind, f, got[kind][1])
