@@ -236,6 +236,27 @@ def test_families_train_like_unsharded(tp):
     run_distributed(_train_all, tp, CASES[tp], timeout=600)
 
 
+def _base_models(cases: list[Case]) -> None:
+    """The decoder stacks alone (`GPT2Model`, `OPTModel`, ...: their own policies, no lm_head): hidden states and
+    gradients of one forward and backward as unsharded."""
+    for case in cases:
+        ref = _tiny(case).base_model
+        model, _ = ShardFormer(ShardConfig()).optimize(copy.deepcopy(ref))
+        ids = torch.randint(0, VOCAB, (B, S))
+        out, ref_out = model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state
+        assert_close(out, ref_out, rtol=1e-5, atol=1e-6, name=f"{type(ref).__name__} hidden states")
+        out.square().mean().backward()
+        ref_out.square().mean().backward()
+        _close_grads(
+            gathered(model, grads=True), {n: p.grad for n, p in ref.named_parameters()}, type(ref).__name__
+        )
+
+
+def test_decoder_stacks_match_unsharded():
+    stacks = [Case(f) for f in ("gpt2", "gemma", "mixtral", "opt", "gptj", "bloom")]
+    run_distributed(_base_models, 2, [*stacks, Case("falcon", variant="new_arch")])
+
+
 def _count() -> tuple[list, list]:
     model, _ = ShardFormer(ShardConfig()).optimize(_tiny(Case("gpt2")))
     model.train()
