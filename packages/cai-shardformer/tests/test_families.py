@@ -80,10 +80,14 @@ def _tiny(case: Case, **overrides):
             "multi_query": dict(multi_query=True, parallel_attn=True, bias=False),
             "new_arch": dict(new_decoder_architecture=True, num_kv_heads=case.kv_heads, bias=False),
             "mha": dict(multi_query=False, parallel_attn=False, bias=True),
+            "mha_alibi": dict(multi_query=False, parallel_attn=False, bias=True, alibi=True),
+            "mha_alibi_eager": dict(
+                multi_query=False, parallel_attn=False, bias=True, alibi=True, attn_implementation="eager"
+            ),
         }[case.variant]
         cfg = t.FalconConfig(
             vocab_size=VOCAB, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-            ffn_hidden_size=128, max_position_embeddings=64, alibi=False, hidden_dropout=NO_DROPOUT,
+            ffn_hidden_size=128, max_position_embeddings=64, hidden_dropout=NO_DROPOUT,
             attention_dropout=NO_DROPOUT, tie_word_embeddings=tie, **layout,
         )  # fmt: skip
         cls = t.FalconForCausalLM
@@ -221,12 +225,12 @@ CASES = {
         Case("gemma3", tie=True), Case("mixtral"), Case("mixtral", tie=True), Case("opt", tie=True), Case("opt"),
         Case("gptj"), Case("gptj", tie=True, parallel_output=False), Case("bloom"), Case("bloom", tie=True),
         Case("falcon", tie=True, variant="multi_query"), Case("falcon", variant="new_arch"),
-        Case("falcon", tie=True, variant="mha"),
+        Case("falcon", tie=True, variant="mha"), Case("falcon", variant="mha_alibi"),
     ],
     4: [
         Case("gpt2", tie=True), Case("gemma", tie=True), Case("gemma3", tie=True), Case("mixtral"),
         Case("opt", tie=True), Case("gptj"), Case("bloom", tie=True), Case("falcon", tie=True, variant="multi_query"),
-        Case("falcon", variant="new_arch", kv_heads=4),
+        Case("falcon", variant="new_arch", kv_heads=4), Case("falcon", tie=True, variant="mha_alibi_eager"),
     ],
 }  # fmt: skip
 
@@ -288,7 +292,6 @@ ERRORS = {
     "opt_ffn": (Case("opt"), {"ffn_dim": 130}, "ValueError", ["ffn_dim=130", "tensor_parallel_size=4"]),
     "bloom_slow_but_exact": (Case("bloom"), {"pretraining_tp": 2, "slow_but_exact": True}, "NotImplementedError", ["slow_but_exact=True", "pretraining_tp=2"]),
     "falcon_kv_groups": (Case("falcon", variant="new_arch"), {}, "ValueError", ["num_kv_heads", "=2", "tensor_parallel_size=4"]),
-    "falcon_alibi": (Case("falcon", variant="mha"), {"alibi": True}, "NotImplementedError", ["alibi=True", "alibi=False"]),
     "gemma_vocab": (Case("gemma"), {}, "ValueError", ["251", "tp=4", "make_vocab_size_divisible_by"]),
     # The experts stay replicated: an intermediate size that does not divide by tp is no error.
     "mixtral_intermediate": (Case("mixtral"), {"intermediate_size": 130}, None, []),

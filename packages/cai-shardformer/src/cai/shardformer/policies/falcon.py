@@ -7,11 +7,14 @@
 - neither: per head [q, k, v] interleaved, as Bloom: one split of `num_attention_heads` blocks.
 
 `dense` row; the MLP's dense_h_to_4h column, dense_4h_to_h row; word embeddings and the (tied) lm_head
-vocab-parallel. Rotary embeddings only: Falcon's ALiBi variant is refused."""
+vocab-parallel. With ALiBi (`alibi=True`) each rank's attention keeps its heads' biases (see `_alibi_of_rank`)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch.distributed as dist
+from torch import nn
 
 from cai.shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row
 from cai.shardformer._policy import ModulePolicyDescription
@@ -19,6 +22,31 @@ from cai.shardformer._policy import SubModuleReplacementDescription as Sub
 from cai.shardformer.policies._decoder import DecoderPolicy
 
 __all__ = ["FalconForCausalLMPolicy", "FalconModelPolicy", "FalconPolicy"]
+
+
+def _alibi_of_rank(rank: int, tp: int, heads: int):
+    """A `param_replacement` entry: FalconModel.forward builds the ALiBi biases of all heads inline and folds them into
+    a per-head attention mask; a forward pre-hook on the layer's attention keeps this rank's heads of both."""
+    per = heads // tp
+
+    def hook(module, args, kwargs):
+        alibi = kwargs.get("alibi")
+        if alibi is None:
+            return None
+        mine = slice(rank * per, (rank + 1) * per)
+        kwargs = dict(kwargs)
+        kwargs["alibi"] = alibi.reshape(-1, heads, *alibi.shape[-2:])[:, mine]  # (B, heads / tp, 1, S)
+        mask = kwargs.get("attention_mask")
+        if (
+            mask is not None and mask.dim() == 4 and mask.shape[1] == heads
+        ):  # ALiBi folded in: (B, heads, q, k)
+            kwargs["attention_mask"] = mask[:, mine]
+        return args, kwargs
+
+    def apply(layer: nn.Module) -> None:
+        layer.self_attention.register_forward_pre_hook(hook, with_kwargs=True)
+
+    return apply
 
 
 class FalconPolicy(DecoderPolicy):
@@ -31,13 +59,6 @@ class FalconPolicy(DecoderPolicy):
         if cfg.new_decoder_architecture:
             out["num_kv_heads (kv groups of new_decoder_architecture)"] = cfg.num_kv_heads
         return out
-
-    def check(self) -> None:
-        if self.model.config.alibi:
-            raise NotImplementedError(
-                f"{type(self.model).__name__}: alibi=True builds per-head biases inside FalconModel.forward, which "
-                f"this policy does not split over tp ranks yet; use a rotary Falcon (alibi=False) or tp=1"
-            )
 
     def layer_policy(self, tp: int) -> dict[Any, ModulePolicyDescription]:
         cfg = self.model.config
@@ -54,9 +75,11 @@ class FalconPolicy(DecoderPolicy):
         else:
             qkv = Sub("self_attention.query_key_value", Linear1D_Col, {**col, "num_heads": nh})
             attrs["self_attention.num_kv_heads"] = nh // tp
+        rank = dist.get_rank(self.shard_config.tensor_parallel_process_group)
         return {
             "FalconDecoderLayer": ModulePolicyDescription(
                 attribute_replacement=attrs,
+                param_replacement=[_alibi_of_rank(rank, tp, nh)] if cfg.alibi else None,
                 sub_module_replacement=[
                     qkv,
                     Sub("self_attention.dense", Linear1D_Row, {"num_heads": nh}),
