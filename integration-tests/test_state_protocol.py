@@ -69,6 +69,29 @@ def _gemini_optimizer(seed: int) -> tuple[Any, Step]:
     return gopt, step
 
 
+def _shardformer_model(seed: int) -> tuple[Any, Step]:
+    """A tiny Llama at tp 2 (vocabulary 251 padded to 256: the padding never appears in a piece)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cai.shardformer import ShardConfig, ShardFormer
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=251, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model, _ = ShardFormer(ShardConfig()).optimize(LlamaForCausalLM(config))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(s: int) -> None:
+        ids = torch.randint(0, 251, (2, 8), generator=torch.Generator().manual_seed(s))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step
+
+
 @dataclass(frozen=True, kw_only=True)
 class Impl:
     name: str
@@ -80,6 +103,7 @@ IMPLS = [
     Impl(name="zero-optimizer", build=_zero_optimizer, optimizer=True),
     Impl(name="gemini-model", build=_gemini_model, optimizer=False),
     Impl(name="gemini-optimizer", build=_gemini_optimizer, optimizer=True),
+    Impl(name="shardformer-tp-model", build=_shardformer_model, optimizer=False),
 ]
 
 

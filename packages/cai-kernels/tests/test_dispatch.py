@@ -18,6 +18,7 @@ def test_report_lists_every_kernel(monkeypatch):
         "rotary",
         "swiglu",
         "fused_linear_cross_entropy",
+        "paged_attention",
         "cpu_adam",
     ]
     expected = "triton" if torch.cuda.is_available() else "torch"

@@ -47,11 +47,12 @@ def _col(case):
     ref = native(ref_x)
     ref.backward(g)
     kw = {"gather_output": case == "gather"}
-    if case == "split_gather":
-        kw["seq_parallel_mode"] = "split_gather"
+    sp = case in ("split_gather", "ring")
+    if sp:
+        kw["seq_parallel_mode"] = case
     layer = Linear1D_Col.from_native_module(copy.deepcopy(native), None, **kw)
     assert set(layer.state_dict()) == set(native.state_dict())
-    xin = x.chunk(tp, dim=1)[rank] if case == "split_gather" else x
+    xin = x.chunk(tp, dim=1)[rank] if sp else x
     xin = xin.clone().requires_grad_()
     out = layer(xin)
     if case == "gather":
@@ -60,7 +61,7 @@ def _col(case):
     else:
         assert_close(out, _local_cols(ref, layer), rtol=RTOL, atol=1e-6, name="out")
         out.backward(_local_cols(g, layer))
-    want_gx = ref_x.grad.chunk(tp, dim=1)[rank] if case == "split_gather" else ref_x.grad
+    want_gx = ref_x.grad.chunk(tp, dim=1)[rank] if sp else ref_x.grad
     assert_close(xin.grad, want_gx, rtol=RTOL, atol=1e-6, name="x.grad")
     _compare_grads(layer, native)
 
@@ -74,18 +75,22 @@ def _row(case):
     ref = native(ref_x)
     ref.backward(g)
     kw = {"input_is_parallel": case != "replicated_input"}
-    if case == "split_gather":
-        kw["seq_parallel_mode"] = "split_gather"
+    if case in ("split_gather", "ring"):
+        kw["seq_parallel_mode"] = case
     layer = Linear1D_Row.from_native_module(copy.deepcopy(native), None, **kw)
     assert set(layer.state_dict()) == set(native.state_dict())
     xin = x if case == "replicated_input" else x.chunk(tp, dim=-1)[rank]
     xin = xin.clone().requires_grad_()
     with CollectiveCounter() as cc:
         out = layer(xin)
-    if case == "split_gather":
+    if case in ("split_gather", "ring"):
         assert_close(out, ref.chunk(tp, dim=1)[rank], rtol=RTOL, atol=1e-6, name="out")
         out.backward(g.chunk(tp, dim=1)[rank])
-        assert cc.count("reduce_scatter_tensor") == 1 and cc.count() == 1
+        if case == "ring":  # t - 1 sends of one output chunk (see [Note: ring steps])
+            chunk = B * (S // tp) * (H // 2) * 4
+            assert [(e.op, e.nbytes) for e in cc.events] == [("irecv", chunk), ("isend", chunk)] * (tp - 1)
+        else:
+            assert cc.count("reduce_scatter_tensor") == 1 and cc.count() == 1
     else:
         assert_close(
             out, ref, rtol=RTOL, atol=1e-6, name="out"
@@ -205,9 +210,11 @@ CASES = {
     "col_gather": (_col, "gather"),
     "col_local": (_col, "local"),
     "col_split_gather": (_col, "split_gather"),
+    "col_ring": (_col, "ring"),
     "row_parallel_input": (_row, "parallel_input"),
     "row_replicated_input": (_row, "replicated_input"),
     "row_split_gather": (_row, "split_gather"),
+    "row_ring": (_row, "ring"),
     "qkv_mha": (_fused_qkv, "qkv_mha"),
     "qkv_gqa": (_fused_qkv, "qkv_gqa"),
     "qkv_mqa": (_fused_qkv, "qkv_mqa"),

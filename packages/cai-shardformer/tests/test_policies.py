@@ -214,8 +214,6 @@ def _error(kind: str):
             ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="ulysses")
         elif kind == "sp_group":
             ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all")
-        elif kind == "sp_not_built":
-            ShardFormer(ShardConfig(enable_sequence_parallelism=True)).optimize(_tiny("llama"))
         elif kind == "no_policy":
             ShardFormer(ShardConfig()).optimize(torch.nn.Linear(2, 2))
     except (ValueError, NotImplementedError) as e:
@@ -228,7 +226,6 @@ ERRORS = {
     "vocab": ("ValueError", ["251", "tp=4", "make_vocab_size_divisible_by"]),
     "sp_mode": ("ValueError", ["'ulysses'", "split_gather"]),
     "sp_group": ("ValueError", ["all_to_all", "sequence_parallel_process_group"]),
-    "sp_not_built": ("NotImplementedError", ["enable_sequence_parallelism", "split_gather"]),
     "no_policy": ("NotImplementedError", ["Linear", "LlamaForCausalLM", "policy="]),
 }
 

@@ -11,6 +11,7 @@ from cai.kernels._dispatch import kernel_report
 from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, patch_hf_model
 from cai.kernels._norm import LayerNorm, RMSNorm, layer_norm, rms_norm
+from cai.kernels._paged_attention import paged_attention
 from cai.kernels._rope import apply_rotary_pos_emb
 from cai.kernels._swiglu import SwiGLUMLP, swiglu
 
@@ -27,6 +28,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "kernel_report",
     "layer_norm",
+    "paged_attention",
     "patch_hf_model",
     "rms_norm",
     "swiglu",

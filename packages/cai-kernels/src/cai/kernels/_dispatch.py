@@ -21,7 +21,7 @@ IMPL_ENV = "CAI_KERNELS_IMPL"
 FALLBACK_ENV = "CAI_KERNELS_FALLBACK"
 _IMPLS = ("auto", "triton", "torch")
 
-KERNEL_NAMES = ("rms_norm", "layer_norm", "rotary", "swiglu", "fused_linear_cross_entropy")
+KERNEL_NAMES = ("rms_norm", "layer_norm", "rotary", "swiglu", "fused_linear_cross_entropy", "paged_attention")
 
 
 @functools.cache
@@ -91,7 +91,7 @@ def kernel_report() -> list[tuple[str, str, str]]:
 
     Returns:
         `[(kernel name, "triton" | "torch" | "error", reason), ...]`, one row per kernel in
-        `rms_norm, layer_norm, rotary, swiglu, fused_linear_cross_entropy`. CPU tensors always take the torch
+        `rms_norm, layer_norm, rotary, swiglu, fused_linear_cross_entropy, paged_attention`. CPU tensors always take the torch
         path unless `CAI_KERNELS_IMPL=triton` and `TRITON_INTERPRET=1`. A last row `("cpu_adam", impl, reason)`
         says what CPUAdam/HybridAdam use for CPU parameters (`cai.kernels.optim.cpu_adam_status()`:
         `native-avx512 | native-avx2 | native-scalar | torch-fused`; the first call builds the native library).

@@ -4,6 +4,12 @@ from importlib.metadata import version as _version
 
 from cai.shardformer._config import SUPPORT_SP_MODE, ShardConfig
 from cai.shardformer._conv1d import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
+from cai.shardformer._dropout import (
+    DropoutForParallelInput,
+    DropoutForReplicatedInput,
+    RNGStatesTracker,
+    get_rng_tracker,
+)
 from cai.shardformer._embedding import (
     Embedding1D,
     VocabParallelEmbedding1D,
@@ -20,14 +26,24 @@ from cai.shardformer._ops import (
     reduce_scatter_seq,
     scatter_to_tp_region,
 )
+from cai.shardformer._plan import tp_plan
 from cai.shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
+from cai.shardformer._ring_attn import ring_attention, zigzag_indices
 from cai.shardformer._shardformer import ShardFormer, shard_model
-from cai.shardformer._state import load_sharded_state_dict, sharded_state_dict
+from cai.shardformer._state import (
+    load_sharded_state_dict,
+    sharded_state_dict,
+    tp_model_state,
+    tp_optimizer_state,
+)
+from cai.shardformer._ulysses import ulysses_attention
 
 __version__ = _version("cai-shardformer")
 
 __all__ = [
     "SUPPORT_SP_MODE",
+    "DropoutForParallelInput",
+    "DropoutForReplicatedInput",
     "Embedding1D",
     "FusedLinear1D_Col",
     "GPT2FusedLinearConv1D_Col",
@@ -37,6 +53,7 @@ __all__ = [
     "ModulePolicyDescription",
     "ParallelModule",
     "Policy",
+    "RNGStatesTracker",
     "ShardConfig",
     "ShardFormer",
     "SubModuleReplacementDescription",
@@ -46,12 +63,19 @@ __all__ = [
     "copy_to_tp_region",
     "gather_from_tp_region",
     "gather_seq",
+    "get_rng_tracker",
     "load_sharded_state_dict",
     "reduce_from_tp_region",
     "reduce_grad",
     "reduce_scatter_seq",
+    "ring_attention",
     "scatter_to_tp_region",
     "shard_model",
     "sharded_state_dict",
+    "tp_model_state",
+    "tp_optimizer_state",
+    "tp_plan",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
+    "zigzag_indices",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 SUPPORT_SP_MODE = ("split_gather", "ring", "all_to_all", "ring_attn")
+BUILT_SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")  # the modes optimize() applies
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,13 @@ class ShardConfig:
             padding off (the vocabulary must then divide by tp).
         parallel_output: True computes the causal-LM loss vocab-parallel from the hidden states (the logits are
             never gathered); False gathers the logits and leaves the loss to the model.
-        enable_fused_normalization: RMSNorm modules become cai-kernels' `RMSNorm` (same weights).
+        enable_fused_normalization: RMSNorm and LayerNorm modules become cai-kernels' `RMSNorm` / `LayerNorm`
+            (same Parameters, same state-dict keys).
         enable_sequence_parallelism / sequence_parallelism_mode: one of `SUPPORT_SP_MODE`; the mode defaults to
-            "split_gather" when sequence parallelism is on. Validated here; the policies do not apply it yet.
+            "split_gather" when sequence parallelism is on. split_gather and ring split the sequence over the tp
+            group (the sp group is the tp group); "all_to_all" (Ulysses) and "ring_attn" run on
+            `sequence_parallel_process_group` (see `cai.shardformer._sp_attention`). A policy applies the modes
+            it lists in `sequence_parallel_modes`.
         enable_all_optimization: turns on the fused normalization (the only optimization built).
         enable_flash_attention, enable_jit_fused: accepted for compatibility, no effect; attention runs through
             the model's own attention implementation (SDPA by default in transformers).
@@ -99,7 +104,7 @@ class ShardConfig:
     def unsupported(self) -> list[str]:
         """The fields set to a feature this release does not build (optimize() refuses them)."""
         out = []
-        if self.enable_sequence_parallelism:
+        if self.enable_sequence_parallelism and self.sequence_parallelism_mode not in BUILT_SP_MODES:
             out.append(f"enable_sequence_parallelism (mode {self.sequence_parallelism_mode!r})")
         for name in ("pipeline_stage_manager", "gradient_checkpoint_config", "ep_group", "moe_dp_group"):
             if getattr(self, name) is not None:

@@ -21,8 +21,11 @@ from cai.shardformer._ops import (
     reduce_scatter_seq,
     scatter_to_tp_region,
 )
+from cai.shardformer._ring import ring_column_linear, ring_row_linear
+from cai.shardformer._sequence import saving_only_the_slice
 
-SEQ_PARALLEL_MODES = ("split_gather",)  # the layer-level modes; "ring" is the same layout, not built yet
+# The layer-level modes: the same layout, ring overlaps the communication with the matmul.
+SEQ_PARALLEL_MODES = ("split_gather", "ring")
 
 
 def _group(process_group):
@@ -62,7 +65,9 @@ class Linear1D_Col(ParallelModule):
     `gather_output` all-gathers the output features; otherwise each rank returns its slice. With
     `reduce_input_grad=False` the caller has put x into the tp region already (one gradient all-reduce for
     several column layers that read the same x, as q, k and v do); `seq_parallel_mode="split_gather"` takes x
-    split along `seq_parallel_dim` and all-gathers it (gradient reduce-scattered). `num_heads` keeps heads
+    split along `seq_parallel_dim` and all-gathers it (gradient reduce-scattered; only the slice is kept for
+    backward, which gathers it again), `"ring"` multiplies the slices as they go round the group instead of
+    gathering them (see [Note: ring steps]). `num_heads` keeps heads
     whole on a rank and replicates them when there are fewer heads than ranks (GQA kv heads).
     """
 
@@ -91,6 +96,7 @@ class Linear1D_Col(ParallelModule):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.seq_parallel_mode, self.seq_parallel_dim = seq_parallel_mode, seq_parallel_dim
         self.reduce_input_grad = reduce_input_grad
+        self.sp_region = None  # ring mode inside a policy's region: see `_sequence.RingRegion`
         sizes = list(split_sizes) if split_sizes is not None else [out_features]
         if sum(sizes) != out_features:
             raise ValueError(f"split_sizes {sizes} sum to {sum(sizes)}, not out_features={out_features}")
@@ -146,6 +152,10 @@ class Linear1D_Col(ParallelModule):
         """The weight as (out, in) for `F.linear` (GPT-2's Conv1D layers store it transposed)."""
         return self.weight
 
+    def ring_weight(self) -> torch.Tensor:
+        """The weight as the forward multiplies it (replicated heads' gradients summed over their replicas)."""
+        return self._with_replica_grads(self._linear_weight())
+
     def _with_replica_grads(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or self._replica_group is None:
             return t
@@ -160,13 +170,24 @@ class Linear1D_Col(ParallelModule):
         return torch.cat(parts)
 
     def forward(self, x: torch.Tensor):
-        if self.seq_parallel_mode == "split_gather":
-            x = gather_seq(x, self.seq_parallel_dim, self.process_group)
-        elif self.reduce_input_grad:
-            x = copy_to_tp_region(x, self.process_group)
         weight = self._with_replica_grads(self._linear_weight())
         bias = self._with_replica_grads(self.bias)
-        y = F.linear(x, weight, None if self.skip_bias_add else bias)  # (..., out_features / tp)
+        add_bias = None if self.skip_bias_add else bias
+        dim, group = self.seq_parallel_dim, self.process_group
+        if self.seq_parallel_mode == "ring":  # see [Note: ring steps]
+            if self.sp_region is not None and self.sp_region.holds(x):
+                y = self.sp_region.output(self)  # computed in the region's one ring for all its column layers
+            else:
+                (y,) = ring_column_linear(x, [weight], dim, group)  # (..., S, out_features / tp)
+            y = y if add_bias is None else y + add_bias
+        elif self.seq_parallel_mode == "split_gather":
+            full = gather_seq(x, dim, group)
+            with saving_only_the_slice(full, x, dim, group):
+                y = F.linear(full, weight, add_bias)  # (..., S, out_features / tp)
+        else:
+            if self.reduce_input_grad:
+                x = copy_to_tp_region(x, group)
+            y = F.linear(x, weight, add_bias)  # (..., out_features / tp)
         if self.gather_output:
             y = gather_from_tp_region(y, self.process_group)
         return (y, bias) if self.skip_bias_add else y
@@ -188,8 +209,8 @@ class FusedLinear1D_Col(Linear1D_Col):
 
 class Linear1D_Row(ParallelModule):
     """`y = x @ W.T + b` with W split by input features (columns); the partial products are all-reduced
-    (or reduce-scattered along `seq_parallel_dim` under `seq_parallel_mode="split_gather"`), then the bias is
-    added once. `input_is_parallel=False` splits a replicated x first (Colossal-AI's `parallel_input`)."""
+    (or reduce-scattered along `seq_parallel_dim` under `seq_parallel_mode="split_gather"`, ring-wise under
+    `"ring"`), then the bias is added once. `input_is_parallel=False` splits a replicated x first (Colossal-AI's `parallel_input`)."""
 
     split_dims = {"weight": 1, "bias": None}
 
@@ -258,15 +279,19 @@ class Linear1D_Row(ParallelModule):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.process_group)
-        y = F.linear(x, self._linear_weight())  # (..., out_features), a partial sum over this rank's inputs
-        if self.seq_parallel_mode == "split_gather":
-            y = reduce_scatter_seq(y, self.seq_parallel_dim, self.process_group)
+        if self.seq_parallel_mode == "ring":  # (..., S / tp, out_features); see [Note: ring steps]
+            y = ring_row_linear(x, self._linear_weight(), self.seq_parallel_dim, self.process_group)
         else:
-            y = reduce_from_tp_region(y, self.process_group)
+            # (..., out_features), a partial sum over this rank's input features
+            y = F.linear(x, self._linear_weight())
+            if self.seq_parallel_mode == "split_gather":
+                y = reduce_scatter_seq(y, self.seq_parallel_dim, self.process_group)
+            else:
+                y = reduce_from_tp_region(y, self.process_group)
         if self.bias is None or self.skip_bias_add:
             return (y, self.bias) if self.skip_bias_add else y
         bias = self.bias
-        if self.seq_parallel_mode == "split_gather":
+        if self.seq_parallel_mode is not None:
             # Each rank adds the bias to its own sequence slice only: its gradient is a partial sum.
             bias = reduce_grad(bias, self.process_group)
         return y + bias  # after the reduction, so it is added once and not tp times

@@ -17,6 +17,12 @@ sequence dim instead of replicated:
     gather_seq   forward all-gather along dim   backward reduce-scatter along dim
     reduce_scatter_seq   forward reduce-scatter along dim   backward all-gather along dim
 
+and at the ends of the sequence-split part of a model (see `_sequence`), where the activations are the same on
+every rank of the group (the embedding output, the final hidden states):
+
+    split_forward_gather_backward   forward keep this rank's slice of dim   backward all-gather along dim
+    gather_forward_split_backward   forward all-gather along dim   backward keep this rank's slice
+
 Every collective is issued through `torch.distributed` module attributes (or cai-mesh's flat wrappers, which
 do the same) so `cai.mesh.testing.CollectiveCounter` sees it. With a group of one rank every op is the
 identity and issues nothing.
@@ -31,12 +37,14 @@ from cai.mesh import all_gather_into_tensor, reduce_scatter_tensor
 
 __all__ = [
     "copy_to_tp_region",
+    "gather_forward_split_backward",
     "gather_from_tp_region",
     "gather_seq",
     "reduce_from_tp_region",
     "reduce_grad",
     "reduce_scatter_seq",
     "scatter_to_tp_region",
+    "split_forward_gather_backward",
 ]
 
 
@@ -65,7 +73,9 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()  # the flat collective concatenates along dim 0
     out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
     all_gather_into_tensor(out, moved, group=group)
-    return out.movedim(0, dim)
+    # Contiguous, so a layer that saves the gathered tensor saves this storage (see [Note: the gathered
+    # sequence is not saved] in `_sequence`) rather than a copy made by its reshape.
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -146,6 +156,28 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _gather(g, ctx.dim, ctx.group), None, None
 
 
+class _SplitForwardGatherBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.group), None, None
+
+
+class _GatherForwardSplitBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.dim, ctx.group), None, None
+
+
 def _trivial(group) -> bool:
     return group is not None and _world(group) == 1
 
@@ -184,3 +216,15 @@ def reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient over `group` backward: for a weight replicated on the
     ranks of `group` whose uses on each rank see only part of the batch's work (replicated kv heads)."""
     return x if group is None or _world(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def split_forward_gather_backward(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
+    """Keep this rank's slice of `dim` forward; all-gather the gradient along `dim` backward. For an activation
+    that is the same on every rank (the embedding output) entering a sequence-split region."""
+    return x if _trivial(group) else _SplitForwardGatherBackward.apply(x, dim, group)
+
+
+def gather_forward_split_backward(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
+    """All-gather along `dim` forward; keep this rank's slice of the gradient backward. For leaving a
+    sequence-split region into code that every rank runs on the whole sequence (the loss)."""
+    return x if _trivial(group) else _GatherForwardSplitBackward.apply(x, dim, group)

@@ -19,6 +19,7 @@ from torch import nn
 
 from cai.shardformer._config import ShardConfig
 from cai.shardformer._ops import copy_to_tp_region
+from cai.shardformer._sequence import RingRegion, sequence_region
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ class ModulePolicyDescription:
     sub_module_replacement: submodules swapped for parallel layers.
     method_replacement: method name -> function bound to the module instance.
     tp_input_regions: relative paths of submodules whose input (`hidden_states`, or the first positional
-        argument) enters the tp region once for all the column layers inside them.
+        argument) enters the tp region once for all the column layers inside them. Under split_gather the
+        region all-gathers the sequence on entry; under ring its column layers ring it themselves.
     """
 
     attribute_replacement: dict[str, Any] | None = None
@@ -94,6 +96,9 @@ class Policy(ABC):
     """A model family's sharding plan. Subclasses implement `config_sanity_check`, `preprocess`,
     `module_policy` (a dict from module class or class name to `ModulePolicyDescription`) and `postprocess`."""
 
+    # The sequence-parallel modes this policy applies; optimize() refuses the others, naming these.
+    sequence_parallel_modes: tuple[str, ...] = ()
+
     def __init__(self) -> None:
         self.shard_config: ShardConfig | None = None
         self.model: nn.Module | None = None
@@ -121,6 +126,11 @@ class Policy(ABC):
 
     @abstractmethod
     def postprocess(self) -> nn.Module: ...
+
+    def sequence_parallel_attention(self) -> dict[str, str] | None:
+        """For the all_to_all and ring_attn sequence-parallel modes: decoder-layer class name -> path of its
+        attention submodule, which must call transformers' attention interface. None: not supported."""
+        return None
 
     def get_shared_params(self) -> list[dict[int, nn.Parameter]]:
         """Parameters shared across pipeline stages; none without pipeline parallelism."""
@@ -169,6 +179,7 @@ def apply_module_policy(
 ) -> None:
     """Apply a policy's descriptions to every module of `model` whose class (or class name) is a key."""
     group = shard_config.tensor_parallel_process_group
+    sp_mode = shard_config.sequence_parallelism_mode if shard_config.enable_sequence_parallelism else None
     for name, module in list(model.named_modules()):
         desc = policy.get(type(module)) or policy.get(type(module).__name__)
         if desc is None:
@@ -195,4 +206,9 @@ def apply_module_policy(
             region = _get_path(module, path)
             if region is None:
                 raise AttributeError(f"policy for {type(module).__name__}: no submodule {where}.{path}")
-            region.register_forward_pre_hook(_enter_tp_region(group), with_kwargs=True)
+            if sp_mode == "split_gather":  # the sequence is gathered once per region
+                sequence_region(region, group)
+            elif sp_mode == "ring":  # the region's column layers ring the sequence themselves
+                RingRegion().install(region, group)
+            else:
+                region.register_forward_pre_hook(_enter_tp_region(group), with_kwargs=True)

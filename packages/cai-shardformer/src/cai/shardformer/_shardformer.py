@@ -7,7 +7,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cai.shardformer._config import ShardConfig
+from cai.shardformer._norm import fuse_layer_norms
 from cai.shardformer._policy import Policy, apply_module_policy
+from cai.shardformer._sequence import check_sequence_parallel
+from cai.shardformer._sp_attention import ATTENTION_SP_MODES, check_sp_attention, install_sp_attention
 from cai.shardformer._state import enable_state_protocol
 from cai.shardformer.policies.auto_policy import get_autopolicy
 
@@ -36,16 +39,25 @@ class ShardFormer:
                 f"them at their defaults (tensor parallelism alone works)"
             )
         policy = get_autopolicy(model) if policy is None else policy
+        if cfg.enable_sequence_parallelism:
+            check_sequence_parallel(cfg, policy)
         policy.set_model(model)
         policy.set_shard_config(cfg)  # runs config_sanity_check
+        sp_attention = cfg.enable_sequence_parallelism and cfg.sequence_parallelism_mode in ATTENTION_SP_MODES
+        if sp_attention:
+            attention = policy.sequence_parallel_attention()
+            check_sp_attention(model, cfg, attention, type(policy).__name__)
         model = policy.preprocess()
         shared_params = policy.get_shared_params()
         if cfg.enable_fused_normalization or cfg.enable_all_optimization:
             from cai.kernels import patch_hf_model
 
             patch_hf_model(model, rms_norm=True, swiglu=False, rope=False, fused_loss=False)
+            fuse_layer_norms(model)
         apply_module_policy(model, policy.module_policy(), cfg)
         model = policy.postprocess()
+        if sp_attention:
+            install_sp_attention(model, cfg, attention)
         if cfg.tensor_parallel_size > 1:
             enable_state_protocol(model)  # so cai-ckpt saves the Hugging Face layout from the shards
         return model, shared_params

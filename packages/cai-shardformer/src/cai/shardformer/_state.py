@@ -66,3 +66,155 @@ def enable_state_protocol(model: nn.Module) -> nn.Module:
     model.sharded_state_dict = lambda: sharded_state_dict(model)
     model.load_sharded_state_dict = lambda read: load_sharded_state_dict(model, read)
     return model
+
+
+# [Note: tp blocks under a flat optimizer shard]
+# An optimizer that shards fp32 masters over the data-parallel axis (cai-zero) reports each parameter as a flat
+# range of the rank's *local* tp tensor (`global_shape` = the local shape). The checkpoint wants ranges of the
+# global tensor. When the tp block is a prefix of the local tensor's flattening (a split along dim 0 starting at
+# local row 0, possibly followed by vocabulary padding rows; or the whole local tensor, as for a row-parallel split
+# along dim 1), a flat range of the local tensor is the same flat range of the block: the composed spec is the tp
+# block with that flat_range, cut at the block's end (the padding). Other layouts are refused.
+def _prefix_numel(key: str, local: torch.Tensor, view: torch.Tensor) -> int:
+    if view.data_ptr() != local.data_ptr() or not view.is_contiguous():
+        raise NotImplementedError(
+            f"{key}: the tp block of shape {tuple(view.shape)} is not a prefix of the local tensor of shape "
+            f"{tuple(local.shape)}, so a flat optimizer shard of it is not a flat range of the checkpoint tensor"
+        )
+    return view.numel()
+
+
+_Tp = dict[str, tuple[torch.Tensor, torch.Tensor, ShardSpec]]  # name -> (local tensor, tp block view, spec)
+
+
+def _tp_entries(model: nn.Module) -> _Tp:
+    return {key: (local, view, spec) for key, local, view, spec in _entries(model)}
+
+
+def _block_range(spec: ShardSpec, start: int, stop: int) -> ShardSpec:
+    return ShardSpec(
+        global_shape=spec.global_shape,
+        offsets=spec.offsets,
+        block_shape=spec.block_shape,
+        flat_range=(start, stop),
+    )
+
+
+def _to_global(tp: _Tp, param: str, shard: LocalShard) -> LocalShard | None:
+    """A flat piece of `param`'s local tp tensor as a piece of the global tensor; None when it is all padding."""
+    local, view, spec = tp[param]
+    start, stop = shard.spec.flat_range or (0, local.numel())
+    end = _prefix_numel(param, local, view)
+    if start >= end:
+        return None
+    stop = min(stop, end)
+    return LocalShard(shard.tensor.reshape(-1)[: stop - start], _block_range(spec, start, stop))
+
+
+def _read_local(
+    tp: _Tp, param: str, read, name: str, local_spec: ShardSpec, dtype: torch.dtype
+) -> torch.Tensor:
+    """What `read` gives for a flat piece of `param`'s local tp tensor (vocabulary padding zero)."""
+    local, view, spec = tp[param]
+    start, stop = local_spec.flat_range or (0, local.numel())
+    end = _prefix_numel(param, local, view)
+    out = torch.zeros(stop - start, dtype=dtype)
+    if start < end:
+        out[: min(stop, end) - start] = read(name, _block_range(spec, start, min(stop, end)), dtype).reshape(
+            -1
+        )
+    return out if local_spec.flat_range else out.reshape(local_spec.block_shape)
+
+
+class _MasterState:
+    """`tp_model_state`'s object: the state protocol of a tp model whose masters live in an optimizer."""
+
+    def __init__(self, model: nn.Module, optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def sharded_state_dict(self) -> dict[str, LocalShard]:
+        tp = _tp_entries(self.model)
+        out = {key: LocalShard(view.detach(), spec) for key, (_, view, spec) in tp.items()}
+        for key, shard in self.optimizer.model_sharded_state_dict().items():
+            del out[key]  # replaced by the master piece, or by nothing when this rank's piece is all padding
+            piece = _to_global(tp, key, shard)
+            if piece is not None:
+                out[key] = piece
+        return out
+
+    def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
+        tp = _tp_entries(self.model)
+        mastered = set(self.optimizer.model_sharded_state_dict())
+        self.optimizer.load_model_sharded_state_dict(
+            lambda key, spec, dtype: _read_local(tp, key, read, key, spec, dtype)
+        )
+        with torch.no_grad():
+            for key, (_, view, spec) in tp.items():
+                if key not in mastered:
+                    view.copy_(read(key, spec, view.dtype))
+
+
+class _OptimizerState:
+    """`tp_optimizer_state`'s object: the optimizer protocol with every flat state piece in global coordinates."""
+
+    def __init__(self, model: nn.Module, optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def _param(self, tp: _Tp, key: str, shard: LocalShard | None = None) -> str | None:
+        param = key.rsplit(".", 1)[0]  # "<param name>.<state key>"; state keys have no dot
+        if param not in tp:
+            raise KeyError(
+                f"{key}: the optimizer reports state of {param!r}, which is not a parameter of the model"
+            )
+        if shard is not None and shard.spec.global_shape != tuple(tp[param][0].shape):
+            return None  # a scalar (step): the same in every layout
+        return param
+
+    def sharded_state_dict(self) -> dict[str, LocalShard]:
+        tp = _tp_entries(self.model)
+        out = {}
+        for key, shard in self.optimizer.sharded_state_dict().items():
+            param = self._param(tp, key, shard)
+            piece = shard if param is None else _to_global(tp, param, shard)
+            if piece is not None:
+                out[key] = piece
+        return out
+
+    def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
+        tp = _tp_entries(self.model)
+
+        def read_local(key: str, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+            param = self._param(tp, key)
+            if spec.global_shape != tuple(tp[param][0].shape):
+                return read(key, spec, dtype)
+            return _read_local(tp, param, read, key, spec, dtype)
+
+        self.optimizer.load_sharded_state_dict(read_local)
+
+    def param_groups_state(self):
+        return self.optimizer.param_groups_state()
+
+    def load_param_groups_state(self, groups) -> None:
+        self.optimizer.load_param_groups_state(groups)
+
+
+def tp_model_state(model: nn.Module, optimizer):
+    """The state-protocol object for `cai.ckpt.save_model` / `load_model` of a tp model whose fp32 master weights
+    an optimizer shards over the data-parallel axis (cai-zero's `ZeroOptimizer`, or anything with
+    `model_sharded_state_dict()` / `load_model_sharded_state_dict(read)`): the masters are written as blocks of the
+    global Hugging Face tensors (see [Note: tp blocks under a flat optimizer shard]), and a load refills them
+    (the optimizer then refreshes the working parameters).
+
+    Example:
+        >>> opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model=model, group=mesh.group("dp"))
+        >>> cai.ckpt.save_model(tp_model_state(model, opt), "ckpt/model", config=model.config)
+        >>> cai.ckpt.save_optimizer(tp_optimizer_state(model, opt), "ckpt/optim")
+    """
+    return _MasterState(model, optimizer)
+
+
+def tp_optimizer_state(model: nn.Module, optimizer):
+    """The optimizer counterpart of `tp_model_state`, for `cai.ckpt.save_optimizer` / `load_optimizer`: the
+    optimizer's per-parameter state (`<param name>.exp_avg`, ...) as blocks of the global tensors, scalars
+    (`step`) as they are, param groups passed through."""
+    return _OptimizerState(model, optimizer)

@@ -76,6 +76,7 @@ def _gemma(policy: dict, family: str, stack: str, shard_config) -> dict:
 
 class GemmaPolicy(LlamaPolicy):
     family = "Gemma"
+    sequence_parallel_modes = ()  # not tested for Gemma (Gemma 2/3 have norms the Llama split does not list)
     stack = "GemmaModel"  # the class owning embed_tokens and the layers
 
     def module_policy(self) -> dict[Any, ModulePolicyDescription]:
@@ -88,6 +89,7 @@ class GemmaModelPolicy(GemmaPolicy):
 
 class GemmaForCausalLMPolicy(LlamaForCausalLMPolicy):
     family = "Gemma"
+    sequence_parallel_modes = ()  # not tested for Gemma (Gemma 2/3 have norms the Llama split does not list)
     stack = "GemmaModel"
 
     def module_policy(self) -> dict[Any, ModulePolicyDescription]:

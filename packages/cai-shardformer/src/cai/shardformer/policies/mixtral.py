@@ -28,6 +28,7 @@ def _attention_only(policy: dict) -> dict:
 class MixtralPolicy(LlamaPolicy):
     family = "Mixtral"
     shards_mlp = False
+    sequence_parallel_modes = ()  # the MoE block on a sequence slice would route and balance per rank: not built
 
     def module_policy(self) -> dict[Any, ModulePolicyDescription]:
         return _attention_only(super().module_policy())
@@ -40,6 +41,7 @@ class MixtralModelPolicy(MixtralPolicy):
 class MixtralForCausalLMPolicy(LlamaForCausalLMPolicy):
     family = "Mixtral"
     shards_mlp = False
+    sequence_parallel_modes = ()  # the MoE block on a sequence slice would route and balance per rank: not built
 
     def module_policy(self) -> dict[Any, ModulePolicyDescription]:
         return _attention_only(super().module_policy())

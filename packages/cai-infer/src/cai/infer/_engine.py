@@ -1,0 +1,275 @@
+"""InferenceEngine: Colossal-AI's facade (``generate``, ``add_request``, ``step``) over the paged engine."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._blocks import BlockManager
+from ._config import InferenceConfig
+from ._runner import ModelRunner, kv_cache_for
+from ._sampling import SamplingParams, apply_penalties_and_masks, logprobs_of, sample
+from ._scheduler import Scheduler, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step: its output tokens so far, their text and whether it is done."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # the output tokens decoded (None without a tokenizer)
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    logprobs: list[dict[int, float]] | None = None  # per output token, when the request asked for them
+
+
+class InferenceEngine:
+    """Generates text with a Hugging Face causal LM, batching requests continuously over a paged KV cache.
+
+    Args:
+        model_or_path: an ``nn.Module`` (a transformers causal LM, used on the device it is on) or a path / hub
+            name that ``AutoModelForCausalLM.from_pretrained`` loads (safetensors, including cai-ckpt's model
+            output) onto the process's accelerator (``cai.mesh.get_current_device()``).
+        tokenizer: a transformers tokenizer, or None: loaded from ``model_or_path`` when it is a path; without
+            one, requests pass token ids and outputs carry no text.
+        inference_config: batching, cache and sampling defaults (``InferenceConfig()`` when None). The model is
+            cast to its ``dtype`` and switched to the engine's attention (``attn_implementation="cai_paged"``).
+        verbose: unused; kept for Colossal-AI's signature.
+
+    Example::
+
+        engine = InferenceEngine(model, tokenizer, InferenceConfig(max_batch_size=4, dtype="fp32"))
+        texts = engine.generate(prompts=["Hello", "The sky is"], generation_config=GenerationConfig(max_new_tokens=8))
+
+    ``add_request`` queues requests and ``step`` runs one batch, returning a ``RequestOutput`` for every
+    request that got a token (streaming); ``generate`` runs steps until every queued request is done.
+    """
+
+    def __init__(
+        self,
+        model_or_path: nn.Module | str | os.PathLike,
+        tokenizer: Any = None,
+        inference_config: InferenceConfig | None = None,
+        verbose: bool = False,
+    ) -> None:
+        config = inference_config or InferenceConfig()
+        unsupported = config.unsupported()
+        if unsupported:
+            raise NotImplementedError(
+                f"InferenceConfig sets {', '.join(unsupported)}, which cai-infer does not build yet; leave these at "
+                "their defaults"
+            )
+        if isinstance(model_or_path, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from cai.mesh import get_current_device
+
+            model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=config.dtype)
+            model = model.to(get_current_device())  # the process's accelerator: cuda:<local rank>, else cpu
+            if tokenizer is None:
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(model_or_path)
+                except (OSError, ValueError):
+                    tokenizer = None  # a weights-only directory: requests pass token ids
+        elif isinstance(model_or_path, nn.Module):
+            model = model_or_path.to(config.dtype)
+        else:
+            raise TypeError(f"model_or_path is a {type(model_or_path).__name__}; pass an nn.Module or a path")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        self.cache = kv_cache_for(
+            model, num_blocks=config.total_blocks, block_size=config.block_size, dtype=config.dtype
+        )
+        self.blocks = BlockManager(
+            config.total_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.blocks, max_batch_size=config.max_batch_size, token_budget=config.token_budget
+        )
+        self.runner = ModelRunner(model, self.cache)
+        self._arrivals = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+        self._eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_ids: str | int | list[str | int] | None = None,
+        prompts: str | list[str] | None = None,
+        prompts_token_ids: list[int] | list[list[int]] | torch.Tensor | None = None,
+        generation_config: Any = None,
+        sampling_params: SamplingParams | None = None,
+    ) -> list[str]:
+        """Queue requests; returns their ids. A request that can never run (prompt over ``max_input_len``,
+        ``max_new_tokens`` over ``max_output_len``, or more tokens than the whole KV pool) raises ValueError and
+        nothing of this call is queued."""
+        token_lists = self._token_lists(prompts, prompts_token_ids)
+        if request_ids is None:
+            ids = [None] * len(token_lists)
+        elif isinstance(request_ids, (str, int)):
+            ids = [request_ids]
+        else:
+            ids = list(request_ids)
+        if len(ids) != len(token_lists):
+            raise ValueError(f"{len(ids)} request ids for {len(token_lists)} prompts; pass one id per prompt")
+        params = sampling_params or SamplingParams.from_config(self.config, generation_config)
+        seqs = [self._make_sequence(rid, toks, params) for rid, toks in zip(ids, token_lists, strict=True)]
+        names = [s.request_id for s in seqs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"request ids {names} repeat within one call; pass distinct ids")
+        for seq in seqs:
+            self._requests[seq.request_id] = seq
+            self.scheduler.add(seq)
+        return [s.request_id for s in seqs]
+
+    def _token_lists(self, prompts: Any, prompts_token_ids: Any) -> list[list[int]]:
+        if prompts_token_ids is not None:
+            if isinstance(prompts_token_ids, torch.Tensor):
+                prompts_token_ids = prompts_token_ids.tolist()
+            if prompts_token_ids and isinstance(prompts_token_ids[0], int):
+                prompts_token_ids = [prompts_token_ids]
+            return [list(map(int, t)) for t in prompts_token_ids]
+        if prompts is None:
+            raise ValueError("add_request got neither prompts nor prompts_token_ids; pass one of them")
+        if self.tokenizer is None:
+            raise ValueError(
+                "text prompts need a tokenizer; pass one to InferenceEngine or use prompts_token_ids"
+            )
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return [self.tokenizer(p)["input_ids"] for p in prompts]
+
+    def _make_sequence(self, request_id: Any, tokens: list[int], params: SamplingParams) -> Sequence:
+        arrival = next(self._arrivals)
+        rid = str(arrival) if request_id is None else str(request_id)
+        cfg = self.config
+        max_new = params.max_new_tokens or cfg.max_output_len
+        pool = cfg.total_blocks * cfg.block_size
+        if rid in self._requests and not self._requests[rid].status.finished:
+            raise ValueError(f"request id {rid!r} is already queued or running; use a new id")
+        if not tokens:
+            raise ValueError(f"request {rid!r} has an empty prompt; pass at least one token")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {rid!r} has stop strings {params.stop!r} but the engine has no tokenizer"
+            )
+        if len(tokens) > cfg.max_input_len:
+            raise ValueError(
+                f"request {rid!r} has a {len(tokens)}-token prompt, over max_input_len={cfg.max_input_len}; "
+                "shorten it or raise InferenceConfig.max_input_len"
+            )
+        if max_new > cfg.max_output_len:
+            raise ValueError(
+                f"request {rid!r} asks for max_new_tokens={max_new}, over max_output_len={cfg.max_output_len}; "
+                "ask for fewer or raise InferenceConfig.max_output_len"
+            )
+        if len(tokens) + max_new > pool:
+            raise ValueError(
+                f"request {rid!r} needs up to {len(tokens)} + {max_new} tokens of KV cache but the pool holds "
+                f"{pool} ({cfg.total_blocks} blocks of {cfg.block_size}); raise InferenceConfig.num_blocks or ask "
+                "for fewer tokens"
+            )
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
+            generator = torch.Generator(self.runner.device).manual_seed(seed)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos))
+        return Sequence(rid, arrival, tokens, params, max_new, frozenset(stop), generator)
+
+    def abort_request(self, request_id: str | int) -> None:
+        """Stop a queued or running request and free its blocks (an unknown or finished id is ignored)."""
+        self.scheduler.abort(str(request_id))
+        self._requests.pop(str(request_id), None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- running ------------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns a ``RequestOutput`` for each request that got a new token this step."""
+        return [self._output(s) for s in self._step()]
+
+    def _step(self) -> list[Sequence]:
+        batch = self.scheduler.schedule()
+        if not len(batch):
+            return []
+        raw = self.runner.run(batch)
+        sampling = [s for s, take in zip(batch.seqs, batch.samples, strict=True) if take]
+        params = [s.params for s in sampling]
+        logits = apply_penalties_and_masks(raw, params, [s.tokens for s in sampling])
+        tokens = sample(logits, params, [s.generator for s in sampling])
+        for i, (seq, token) in enumerate(zip(sampling, tokens, strict=True)):
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(logprobs_of(raw[i], token, seq.params.logprobs))
+        advanced = self.scheduler.update(batch, tokens)
+        for seq in advanced:
+            if seq.params.stop and not seq.status.finished:
+                self._check_stop_strings(seq)
+            if seq.status.finished:
+                del self._requests[seq.request_id]
+        return advanced
+
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        found = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        if found:
+            seq.text_end = min(found)
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)[: seq.text_end]
+        finished = seq.status.finished
+        return RequestOutput(
+            seq.request_id,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            text,
+            finished,
+            seq.status.value if finished else None,
+            list(seq.logprobs) if seq.params.logprobs is not None else None,
+        )
+
+    def generate(
+        self,
+        request_ids: str | int | list[str | int] | None = None,
+        prompts: str | list[str] | None = None,
+        prompts_token_ids: list[int] | list[list[int]] | torch.Tensor | None = None,
+        return_token_ids: bool = False,
+        generation_config: Any = None,
+    ) -> list[str | None] | tuple[list[str | None], list[list[int]]]:
+        """Add the given prompts (if any) and run until every request is done.
+
+        Returns the output texts of the requests that finished in this call, in arrival order, and with
+        ``return_token_ids=True`` also their new token ids. ``generation_config`` is a transformers
+        ``GenerationConfig`` (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``min_p``, ``repetition_penalty``, ``eos_token_id``) or a ``SamplingParams``."""
+        if prompts is not None or prompts_token_ids is not None:
+            if isinstance(generation_config, SamplingParams):
+                self.add_request(request_ids, prompts, prompts_token_ids, sampling_params=generation_config)
+            else:
+                self.add_request(request_ids, prompts, prompts_token_ids, generation_config=generation_config)
+        done: list[Sequence] = []
+        while self.scheduler.has_unfinished():
+            done.extend(s for s in self._step() if s.status.finished)
+        done.sort(key=lambda s: s.arrival)
+        texts = [self._output(s).text for s in done]
+        if return_token_ids:
+            return texts, [s.output_token_ids for s in done]
+        return texts
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free

@@ -1,0 +1,106 @@
+"""Greedy outputs equal transformers' ``generate`` token for token, for four families under every scheduling regime
+(a mixed-length batch, requests arriving while others decode, forced preemption, prefix sharing, chunked prefill)
+and two more (Qwen3; Gemma2 with soft-capping and alternating sliding windows) under all of them at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from cai.infer import InferenceConfig, InferenceEngine
+
+NEW = 10
+VOCAB = 251  # conftest's tiny models
+FAMILIES = ["llama", "qwen2", "mistral", "gemma"]
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    block_size: int = 4
+    num_blocks: int | None = None  # None: enough for every request at once
+    token_budget: int | None = None  # None: whole prompts in one step
+    max_batch_size: int = 8
+    arrive_every: int = 0  # > 0: add one request every this many steps instead of all at once
+    shared_prefix: int = 0  # tokens every prompt starts with
+
+
+REGIMES = [
+    Regime("batch"),
+    Regime("arrivals", arrive_every=2, max_batch_size=3),
+    Regime("preempt", num_blocks=9),
+    Regime("prefix", shared_prefix=9, arrive_every=3),
+    Regime("chunked", token_budget=5, max_batch_size=4),
+    Regime("all", num_blocks=10, token_budget=6, shared_prefix=6, arrive_every=1, max_batch_size=4),
+]
+LENGTHS = (3, 13, 8, 1, 17, 6)
+
+_references: dict[tuple[str, int], list[list[int]]] = {}
+
+
+def _prompts(shared: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, VOCAB, (shared,), generator=g).tolist()
+    return [prefix + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _reference(tiny_model, family: str, shared: int) -> list[list[int]]:
+    # Each prompt alone (no padding) through transformers' generate; cached across regimes.
+    key = (family, shared)
+    if key not in _references:
+        model = tiny_model(family)
+        outs = []
+        for p in _prompts(shared):
+            ids = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+            outs.append(ids[0, len(p) :].tolist())
+        _references[key] = outs
+    return _references[key]
+
+
+CASES = [(f, r) for f in FAMILIES for r in REGIMES] + [(f, REGIMES[-1]) for f in ("qwen3", "gemma2")]
+
+
+@pytest.mark.parametrize(("family", "regime"), CASES, ids=[f"{f}-{r.name}" for f, r in CASES])
+def test_greedy_matches_generate(family, regime, engines, make_model):
+    config = InferenceConfig(
+        dtype="fp32",
+        block_size=regime.block_size,
+        num_blocks=regime.num_blocks,
+        max_num_batched_tokens=regime.token_budget,
+        max_batch_size=regime.max_batch_size,
+        max_input_len=32,
+        max_output_len=NEW,
+    )
+    engine = InferenceEngine(make_model(family), None, config)
+    engines.append(engine)
+    prompts = _prompts(regime.shared_prefix)
+    gen = GenerationConfig(max_new_tokens=NEW)
+    if regime.arrive_every:
+        finished: dict[str, list[int]] = {}
+        pending = list(enumerate(prompts))
+        steps = 0
+        while pending or engine.has_unfinished_requests():
+            if pending and steps % regime.arrive_every == 0:
+                i, p = pending.pop(0)
+                engine.add_request(request_ids=i, prompts_token_ids=p, generation_config=gen)
+            finished.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+            engine.scheduler.check()
+            steps += 1
+        assert (
+            steps < len(prompts) * NEW
+        )  # requests overlapped: later ones arrived while earlier ones decoded
+        got = [finished[str(i)] for i in range(len(prompts))]
+    else:
+        _, got = engine.generate(prompts_token_ids=prompts, return_token_ids=True, generation_config=gen)
+    assert got == _reference(make_model, family, regime.shared_prefix)
+    if regime.num_blocks is not None:
+        assert engine.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
+    if regime.shared_prefix:
+        assert engine.blocks.num_hit_tokens > 0, (
+            "later prompts were meant to reuse the shared prefix's blocks"
+        )
+    if regime.token_budget is not None:
+        assert max(LENGTHS) + regime.shared_prefix > regime.token_budget  # the longest prompt is chunked

@@ -1,0 +1,151 @@
+"""Attention of packed variable-length queries over a paged KV cache (prefill chunks and decode in one call)."""
+
+from __future__ import annotations
+
+import torch
+
+from cai.kernels._dispatch import use_triton
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    num_computed: torch.Tensor,
+    block_size: int,
+    max_query_len: int,
+    max_context_len: int,
+    scaling: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context.
+
+    Args:
+        query: (T, heads, head_dim), the new tokens of S sequences packed one after another (no padding).
+        k_cache, v_cache: (num_blocks * block_size, kv_heads, head_dim); slot ``b * block_size + i`` holds offset
+            ``i`` of block ``b``. The new tokens' K/V must already be written. ``heads`` is a multiple of
+            ``kv_heads`` (GQA).
+        block_tables: (S, max_blocks) integer block ids of each sequence (padding entries may hold any valid id).
+        query_start: (S + 1,) offsets of each sequence's tokens in ``query`` (``query_start[-1] == T``).
+        num_computed: (S,) tokens of each sequence cached before its new ones; the new token i sits at position
+            ``num_computed[s] + i`` and sees positions up to its own.
+        max_query_len, max_context_len: the largest new-token count and ``num_computed + new`` over the batch
+            (host ints, so no device sync is needed to size the launch).
+        scaling: the softmax scale (usually ``head_dim ** -0.5``).
+        sliding_window: a query at position p sees positions > p - sliding_window only (None: all).
+        softcap: ``softcap * tanh(scores / softcap)`` before the softmax (None: off).
+        num_splits: Triton only: split each program's keys over this many programs and combine (split-K), for
+            decode batches too small to fill the GPU. None: chosen from the batch and the GPU's SM count.
+
+    Returns:
+        (T, heads, head_dim) in ``query``'s dtype. Scores and softmax are fp32.
+    """
+    if use_triton(query):
+        return _paged_attention_triton(
+            query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_query_len,
+            max_context_len, scaling, sliding_window, softcap, num_splits,
+        )  # fmt: skip
+    return _paged_attention_torch(
+        query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_query_len,
+        max_context_len, scaling, sliding_window, softcap,
+    )  # fmt: skip
+
+
+def _paged_attention_torch(
+    query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_q, max_ctx, scaling, window,
+    softcap,
+):  # fmt: skip
+    # Pads to (S, Q) queries and (S, C) context positions, gathers each sequence's K/V through its block table,
+    # groups the query heads of each kv head.
+    _, nh, hd = query.shape
+    S = num_computed.shape[0]
+    nkv = k_cache.shape[1]
+    g = nh // nkv
+    dev = query.device
+    q_len = query_start[1:] - query_start[:-1]  # (S,)
+    ar_q = torch.arange(max_q, device=dev)
+    query_valid = ar_q[None, :] < q_len[:, None]  # (S, Q)
+    query_index = torch.where(query_valid, query_start[:-1, None] + ar_q[None, :], 0)
+    query_pos = num_computed[:, None] + ar_q[None, :]  # (S, Q)
+    ar_c = torch.arange(max_ctx, device=dev)
+    pages = block_tables.long().gather(
+        1, (ar_c // block_size).clamp(max=block_tables.shape[1] - 1).expand(S, -1)
+    )
+    context_slots = pages * block_size + ar_c % block_size  # (S, C)
+
+    allowed = ar_c[None, None, :] <= query_pos[:, :, None]  # (S, Q, C)
+    if window is not None:
+        allowed &= ar_c[None, None, :] > query_pos[:, :, None] - window
+    # padding queries see position 0 only, so their softmax stays finite (their output is dropped)
+    allowed = torch.where(query_valid[:, :, None], allowed, (ar_c == 0)[None, None, :])
+
+    q = query[query_index].view(S, max_q, nkv, g, hd).permute(0, 2, 3, 1, 4)  # (S, nkv, g, Q, hd)
+    k = k_cache[context_slots].permute(0, 2, 1, 3).unsqueeze(2)  # (S, nkv, 1, C, hd)
+    v = v_cache[context_slots].permute(0, 2, 1, 3).unsqueeze(2)  # (S, nkv, 1, C, hd)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scaling  # (S, nkv, g, Q, C)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    out = scores.softmax(-1) @ v.float()  # (S, nkv, g, Q, hd)
+    out = out.permute(0, 3, 1, 2, 4).reshape(S, max_q, nh, hd)
+    return out[query_valid].to(query.dtype)  # (T, nh, hd): valid queries are in token order
+
+
+def _auto_splits(query: torch.Tensor, programs: int, max_q: int, max_ctx: int) -> int:
+    # Split-K only pays for decode batches that leave SMs idle and have long contexts (>= 4 key tiles a split).
+    if max_q != 1 or query.device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    return max(1, min(sms // max(programs, 1), max_ctx // 256, 16))
+
+
+def _paged_attention_triton(
+    query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_q, max_ctx, scaling, window,
+    softcap, num_splits,
+):  # fmt: skip
+    import triton
+
+    from cai.kernels._paged_attention_triton import paged_attention_kernel
+
+    T, nh, hd = query.shape
+    S = num_computed.shape[0]
+    nkv = k_cache.shape[1]
+    group = nh // nkv
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or query.stride(2) != 1:
+        raise ValueError("paged_attention needs the head dim contiguous in query, k_cache and v_cache")
+    # Rows of a program are BLOCK_M tokens x the group's heads; at least 16 rows (tl.dot's minimum).
+    rows_wanted = 64 if max_q > 1 else 16
+    block_m = max(1, rows_wanted // group)
+    rows = max(16, triton.next_power_of_2(block_m * group))
+    m_blocks = triton.cdiv(max_q, block_m)
+    splits = num_splits or _auto_splits(query, S * m_blocks * nkv, max_q, max_ctx)
+    if splits > 1:
+        out = torch.empty(splits, T, nh, hd, dtype=torch.float32, device=query.device)
+        part_m = torch.empty(splits, T, nh, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        o_strides = (out.stride(1), out.stride(2), out.stride(0))
+    else:
+        out = torch.empty_like(query)
+        part_m = part_l = out  # unused
+        o_strides = (out.stride(0), out.stride(1), 0)
+    paged_attention_kernel[(S, m_blocks, nkv * splits)](
+        query, k_cache, v_cache, out, block_tables, query_start, num_computed, part_m, part_l,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        o_strides[0], o_strides[1], block_tables.stride(0),
+        o_strides[2], part_m.stride(0), part_m.stride(1), nkv, scaling, window or 0, softcap or 1.0, NUM_SPLITS=splits,
+        GROUP=group, HEAD_DIM=hd, BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_M=block_m, ROWS=rows,
+        BLOCK_N=64 if hd <= 128 else 32, PAGE=block_size, USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None,
+    )  # fmt: skip
+    if splits == 1:
+        return out
+    # combine the splits: weights exp(m_split - m_max); a split that saw no key has m = -inf and weight 0
+    m_max = part_m.max(0).values  # (T, nh)
+    w = torch.exp(part_m - torch.where(m_max == float("-inf"), 0.0, m_max))  # (splits, T, nh)
+    denom = (w * part_l).sum(0).clamp_min(torch.finfo(torch.float32).tiny)
+    return ((w[..., None] * out).sum(0) / denom[..., None]).to(query.dtype)
