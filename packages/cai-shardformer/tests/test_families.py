@@ -171,6 +171,8 @@ def _train(case: Case) -> None:
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == case.tie
     # Sharded for real: four projections per layer, the embedding and the lm_head became parallel layers.
     assert sum(isinstance(m, ParallelModule) for m in model.modules()) >= 4 * LAYERS + 2
+    # Attention dropout draws from the tp group's per-rank stream (a no-op here: dropout is 0).
+    assert sum(hasattr(m, "_cai_rng_fork") for m in model.modules()) == LAYERS
     # eps=1e-4 as in test_policies.py: Adam amplifies rounding of near-zero gradients by lr / eps.
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)

@@ -5,10 +5,12 @@ vocab-parallel cross-entropy."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
 
+from cai.shardformer._dropout import PARALLEL, fork_rng_in_forward
 from cai.shardformer._embedding import VocabParallelEmbedding1D, VocabParallelLMHead1D
 from cai.shardformer._layout import padded_vocab
 from cai.shardformer._policy import ModulePolicyDescription, Policy
@@ -20,11 +22,14 @@ __all__ = ["DecoderPolicy"]
 
 class DecoderPolicy(Policy):
     """Subclasses set `stack` (the class name of the module owning the token embedding, e.g. "GPT2Model"),
-    `embedding` (its path there) and implement `divisible` and `layer_policy`. Any model class with an
+    `embedding` (its path there), `layer` and `attention` (the transformer layer's class name and its attention's
+    path) and implement `divisible` and `layer_policy`. Any model class with an
     `lm_head` linear gets it vocab-parallel (with its bias, if it has one)."""
 
     stack: str
     embedding: str
+    layer: str  # the transformer layer's class name (a key of `layer_policy`)
+    attention: str  # the attention's path inside it
 
     def divisible(self) -> dict[str, int]:
         """Config values (by their config name) that must divide by tp."""
@@ -67,6 +72,14 @@ class DecoderPolicy(Policy):
             return {}
         vocab = {"make_vocab_size_divisible_by": self.shard_config.make_vocab_size_divisible_by}
         policy = self.layer_policy(tp)
+        # Attention dropout acts on this rank's heads: a different mask per rank (as the Llama policy).
+        fork = fork_rng_in_forward(
+            self.attention, PARALLEL, group=self.shard_config.tensor_parallel_process_group
+        )
+        desc = policy[self.layer]
+        policy[self.layer] = dataclasses.replace(
+            desc, param_replacement=[*(desc.param_replacement or []), fork]
+        )
         self.append_or_create_submodule_replacement(
             Sub(self.embedding, VocabParallelEmbedding1D, vocab), policy, self.stack
         )

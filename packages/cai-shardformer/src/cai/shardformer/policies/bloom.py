@@ -36,6 +36,8 @@ def _alibi_of_rank(rank: int, tp: int):
 class BloomPolicy(DecoderPolicy):
     stack = "BloomModel"
     embedding = "word_embeddings"
+    layer = "BloomBlock"
+    attention = "self_attention"
 
     def divisible(self) -> dict[str, int]:
         cfg = self.model.config

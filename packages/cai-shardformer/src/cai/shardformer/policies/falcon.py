@@ -52,6 +52,8 @@ def _alibi_of_rank(rank: int, tp: int, heads: int):
 class FalconPolicy(DecoderPolicy):
     stack = "FalconModel"
     embedding = "word_embeddings"
+    layer = "FalconDecoderLayer"
+    attention = "self_attention"
 
     def divisible(self) -> dict[str, int]:
         cfg = self.model.config

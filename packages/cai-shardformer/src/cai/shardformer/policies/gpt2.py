@@ -16,6 +16,8 @@ __all__ = ["GPT2LMHeadModelPolicy", "GPT2ModelPolicy", "GPT2Policy"]
 class GPT2Policy(DecoderPolicy):
     stack = "GPT2Model"
     embedding = "wte"
+    layer = "GPT2Block"
+    attention = "attn"
 
     def divisible(self) -> dict[str, int]:
         cfg = self.model.config

@@ -16,6 +16,8 @@ __all__ = ["GPTJForCausalLMPolicy", "GPTJModelPolicy", "GPTJPolicy"]
 class GPTJPolicy(DecoderPolicy):
     stack = "GPTJModel"
     embedding = "wte"
+    layer = "GPTJBlock"
+    attention = "attn"
 
     def divisible(self) -> dict[str, int]:
         cfg = self.model.config

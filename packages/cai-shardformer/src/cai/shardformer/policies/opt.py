@@ -17,6 +17,8 @@ __all__ = ["OPTForCausalLMPolicy", "OPTModelPolicy", "OPTPolicy"]
 class OPTPolicy(DecoderPolicy):
     stack = "OPTDecoder"
     embedding = "embed_tokens"
+    layer = "OPTDecoderLayer"
+    attention = "self_attn"
 
     def divisible(self) -> dict[str, int]:
         cfg = self.model.config
