@@ -3,6 +3,7 @@
 from importlib.metadata import version as _version
 
 from cai.shardformer._config import SUPPORT_SP_MODE, ShardConfig
+from cai.shardformer._conv1d import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
 from cai.shardformer._dropout import (
     DropoutForParallelInput,
     DropoutForReplicatedInput,
@@ -45,6 +46,8 @@ __all__ = [
     "DropoutForReplicatedInput",
     "Embedding1D",
     "FusedLinear1D_Col",
+    "GPT2FusedLinearConv1D_Col",
+    "GPT2FusedLinearConv1D_Row",
     "Linear1D_Col",
     "Linear1D_Row",
     "ModulePolicyDescription",

@@ -148,9 +148,13 @@ class Linear1D_Col(ParallelModule):
         new.weight.requires_grad_(module.weight.requires_grad)
         return new
 
+    def _linear_weight(self) -> torch.Tensor:
+        """The weight as (out, in) for `F.linear` (GPT-2's Conv1D layers store it transposed)."""
+        return self.weight
+
     def ring_weight(self) -> torch.Tensor:
         """The weight as the forward multiplies it (replicated heads' gradients summed over their replicas)."""
-        return self._with_replica_grads(self.weight)
+        return self._with_replica_grads(self._linear_weight())
 
     def _with_replica_grads(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or self._replica_group is None:
@@ -166,7 +170,7 @@ class Linear1D_Col(ParallelModule):
         return torch.cat(parts)
 
     def forward(self, x: torch.Tensor):
-        weight = self._with_replica_grads(self.weight)
+        weight = self._with_replica_grads(self._linear_weight())
         bias = self._with_replica_grads(self.bias)
         add_bias = None if self.skip_bias_add else bias
         dim, group = self.seq_parallel_dim, self.process_group
@@ -268,13 +272,18 @@ class Linear1D_Row(ParallelModule):
                 new.bias.copy_(module.bias)
         return new
 
+    def _linear_weight(self) -> torch.Tensor:
+        """The weight as (out, in) for `F.linear` (GPT-2's Conv1D layers store it transposed)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.process_group)
         if self.seq_parallel_mode == "ring":  # (..., S / tp, out_features); see [Note: ring steps]
-            y = ring_row_linear(x, self.weight, self.seq_parallel_dim, self.process_group)
+            y = ring_row_linear(x, self._linear_weight(), self.seq_parallel_dim, self.process_group)
         else:
-            y = F.linear(x, self.weight)  # (..., out_features), a partial sum over this rank's input features
+            # (..., out_features), a partial sum over this rank's input features
+            y = F.linear(x, self._linear_weight())
             if self.seq_parallel_mode == "split_gather":
                 y = reduce_scatter_seq(y, self.seq_parallel_dim, self.process_group)
             else:

@@ -33,6 +33,30 @@ _POLICY_LIST.update(
     }
 )
 
+# The decoder families with their own layouts (Colossal-AI's policy class names).
+_POLICY_LIST.update(
+    {
+        "GPT2Model": ("gpt2", "GPT2ModelPolicy"),
+        "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModelPolicy"),
+        "GemmaModel": ("gemma", "GemmaModelPolicy"),
+        "GemmaForCausalLM": ("gemma", "GemmaForCausalLMPolicy"),
+        "Gemma2Model": ("gemma", "Gemma2ModelPolicy"),
+        "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLMPolicy"),
+        "Gemma3TextModel": ("gemma", "Gemma3TextModelPolicy"),
+        "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLMPolicy"),
+        "MixtralModel": ("mixtral", "MixtralModelPolicy"),
+        "MixtralForCausalLM": ("mixtral", "MixtralForCausalLMPolicy"),
+        "OPTModel": ("opt", "OPTModelPolicy"),
+        "OPTForCausalLM": ("opt", "OPTForCausalLMPolicy"),
+        "GPTJModel": ("gptj", "GPTJModelPolicy"),
+        "GPTJForCausalLM": ("gptj", "GPTJForCausalLMPolicy"),
+        "BloomModel": ("bloom", "BloomModelPolicy"),
+        "BloomForCausalLM": ("bloom", "BloomForCausalLMPolicy"),
+        "FalconModel": ("falcon", "FalconModelPolicy"),
+        "FalconForCausalLM": ("falcon", "FalconForCausalLMPolicy"),
+    }
+)
+
 
 def get_autopolicy(model: nn.Module) -> Policy:
     """A fresh policy instance for `model`'s class; for a class without one, the policy derived from the model's

@@ -29,6 +29,7 @@ class LlamaPolicy(Policy):
     """The decoder layers and the embedding. `family` is the Hugging Face class-name prefix."""
 
     family = "Llama"
+    shards_mlp = True  # False where the MLP stays replicated (Mixtral's experts): no intermediate_size check
     sequence_parallel_modes = ("split_gather", "ring", "all_to_all", "ring_attn")
 
     def config_sanity_check(self) -> None:
@@ -47,7 +48,7 @@ class LlamaPolicy(Policy):
                 f"{name}: num_key_value_heads={nkv} neither divides nor is divided by tensor_parallel_size={tp}; "
                 f"use a tp size that divides {nkv} or is a multiple of it (kv heads are then replicated)"
             )
-        if cfg.intermediate_size % tp:
+        if self.shards_mlp and cfg.intermediate_size % tp:
             raise ValueError(
                 f"{name}: intermediate_size={cfg.intermediate_size} does not divide over tensor_parallel_size={tp}"
             )
