@@ -51,6 +51,11 @@ def test_verify_samples_the_target_distribution():
             second[out[1]] += 1
     torch.testing.assert_close(first / n, p[0], rtol=0, atol=0.04)
     torch.testing.assert_close(second / second.sum(), p[1], rtol=0, atol=0.06)
+    # a deterministic drafter (prompt lookup: q is a point mass on the draft) keeps p too
+    first.zero_()
+    for _ in range(n):
+        first[verify(p.log(), [1, 2], None, params, g)[0]] += 1
+    torch.testing.assert_close(first / n, p[0], rtol=0, atol=0.04)
 
 
 def _target(seed: int = 0) -> torch.nn.Module:
@@ -176,6 +181,43 @@ def test_sampled_speculative_decoding_with_an_identical_drafter_accepts_everythi
     assert [len(t) for t in tokens] == [10, 10]
     assert engine.num_drafted > 0 and engine.num_accepted == engine.num_drafted
     assert engine.num_free_blocks == config.total_blocks
+
+
+def test_logprobs_and_stop_tokens_under_speculative_decoding():
+    # Several tokens per step: each still gets its own logprobs row, and a stop token among accepted drafts ends
+    # the request there (the drafts after it are dropped).
+    target = _target()
+    prompts = _prompts()[:1]
+    config = InferenceConfig(dtype="fp32", block_size=4, max_input_len=16, max_output_len=10)
+    plain = InferenceEngine(copy.deepcopy(target), None, config)
+    params = SamplingParams(max_new_tokens=10, logprobs=2, ignore_eos=True)
+    (want,) = plain.generate(prompts_token_ids=prompts, generation_config=params, return_token_ids=True)[1]
+    for stop in (None, want[4]):
+        outs = []
+        for spec in (False, True):
+            engine = InferenceEngine(copy.deepcopy(target), None, config)
+            if spec:
+                engine.enable_spec_dec(_first_layer_draft(target), n_spec_tokens=3)
+            p = SamplingParams(
+                max_new_tokens=10, logprobs=2, ignore_eos=True, stop_token_ids=() if stop is None else (stop,)
+            )
+            engine.add_request("a", prompts_token_ids=prompts[0], sampling_params=p)
+            last = None
+            while engine.has_unfinished_requests():
+                last = engine.step()[-1]
+            outs.append(last)
+            if spec:
+                assert engine.num_accepted > 0
+            assert engine.num_free_blocks == config.total_blocks
+        base, spec_out = outs
+        assert spec_out.token_ids == base.token_ids
+        assert spec_out.finish_reason == base.finish_reason
+        assert len(spec_out.logprobs) == len(spec_out.token_ids)
+        for a, b in zip(spec_out.logprobs, base.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert abs(a[t] - b[t]) < 1e-4
+    assert base.token_ids == want[: want.index(stop) + 1] and base.finish_reason == "stop"
 
 
 def test_spec_dec_switches():
