@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -87,7 +88,8 @@ def test_cai_serve(tmp_path):
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, "-c", "import sys; from cai.mesh._cli import main; sys.exit(main())"]
+    script = Path(sys.executable).with_name("cai")  # the console script of this environment
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cai.mesh._cli"]
     args = ["serve", str(model_dir), "--port", str(port), "--dtype", "fp32", "--served-model-name", "tiny"]
     args += ["--max-input-len", "24", "--max-output-len", "8", "--block-size", "4", "--log-level", "warning"]
     proc = subprocess.Popen(cmd + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -159,6 +161,20 @@ def _check(client: httpx.Client, tokenizer, model_dir: Path) -> None:
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want_chat
 
+    # concurrent requests share batches and still get their own greedy continuations
+    others = ["w40 w41", "w7 w7 w7 w7 w7 w7", "w230"]
+    wants = [reference(tokenizer(p)["input_ids"], 7) for p in others]
+    with ThreadPoolExecutor(len(others)) as pool:
+        answers = list(
+            pool.map(
+                lambda p: client.post(
+                    "/v1/completions", json={"prompt": p, "max_tokens": 7, "temperature": 0}
+                ),
+                others,
+            )
+        )
+    assert [a.json()["choices"][0]["text"] for a in answers] == [w[0] for w in wants]
+
     # bad requests: 4xx with a message; the server keeps serving
     bad = [
         ("/v1/completions", {"prompt": " ".join(["w1"] * 30), "max_tokens": 2}, 400, "max_input_len=24"),
@@ -183,9 +199,9 @@ def _check(client: httpx.Client, tokenizer, model_dir: Path) -> None:
         for line in metrics.splitlines()
         if not line.startswith("#")
     }
-    assert values['cai_requests_total{outcome="ok"}'] == 5
+    assert values['cai_requests_total{outcome="ok"}'] == 5 + len(others)
     assert values['cai_requests_total{outcome="error"}'] == len(bad) + 1
-    assert values["cai_generation_tokens_total"] == n_completion * 3 + n_chat * 2
-    assert values["cai_time_to_first_token_seconds_count"] == 5
+    assert values["cai_generation_tokens_total"] == n_completion * 3 + n_chat * 2 + sum(w[1] for w in wants)
+    assert values["cai_time_to_first_token_seconds_count"] == 5 + len(others)
     assert values["cai_kv_blocks_used"] == 0 and values["cai_queue_length"] == 0
     assert values["cai_kv_blocks_total"] > 0
