@@ -88,6 +88,12 @@ class Metrics:
             "# HELP cai_kv_blocks_total KV-cache blocks in the pool.",
             "# TYPE cai_kv_blocks_total gauge",
             f"cai_kv_blocks_total {blocks.num_blocks}",
+            "# HELP cai_spec_draft_tokens_total Speculative draft tokens verified.",
+            "# TYPE cai_spec_draft_tokens_total counter",
+            f"cai_spec_draft_tokens_total {engine.num_drafted}",
+            "# HELP cai_spec_accepted_tokens_total Speculative draft tokens accepted.",
+            "# TYPE cai_spec_accepted_tokens_total counter",
+            f"cai_spec_accepted_tokens_total {engine.num_accepted}",
             "# HELP cai_time_to_first_token_seconds From a request's arrival to its first token.",
             "# TYPE cai_time_to_first_token_seconds histogram",
             *(
