@@ -43,6 +43,7 @@ def _install_workspace(session: nox.Session) -> None:
     )
     session.install("-c", CONSTRAINTS, "pytest", "pytest-xdist", "hypothesis", "hatchling", "editables")
     session.install("-c", CONSTRAINTS, "crc32c")  # cai-ckpt's checksums (it falls back to zlib without it)
+    session.install("-c", CONSTRAINTS, "fastapi", "uvicorn")  # cai-infer[serve]
     editable = [arg for p in PACKAGES for arg in ("-e", str(ROOT / "packages" / f"cai-{p}"))]
     session.install("-c", CONSTRAINTS, "--no-deps", "--no-build-isolation", *editable)
 

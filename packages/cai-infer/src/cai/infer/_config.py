@@ -55,8 +55,11 @@ class InferenceConfig:
     ``micro_batch_buffer_size`` and ``max_context_len_to_capture`` are accepted and have no effect: batches are
     never padded, prefill and decode share every step under the token budget, and scores are always fp32.
 
+    ``use_spec_dec=True`` decodes speculatively from the start with prompt-lookup drafts of up to
+    ``max_n_spec_tokens`` tokens (``InferenceEngine.enable_spec_dec`` takes a draft model).
+
     Colossal-AI fields for features this engine does not build yet (``tp_size``/``pp_size`` > 1,
-    ``use_spec_dec``, ``use_cuda_graph``, ``use_cuda_kernel``, ``kv_cache_dtype``, ``beam_width`` > 1,
+    ``use_cuda_graph``, ``use_cuda_kernel``, ``kv_cache_dtype``, ``beam_width`` > 1,
     ``enable_streamingllm``, ``no_repeat_ngram_size``, ``forced_eos_token_id``, ``prompt_template``) are accepted
     here and refused by ``InferenceEngine`` with an error that names them.
 
@@ -107,7 +110,15 @@ class InferenceConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _dtype(self.dtype))
-        for name in ("max_batch_size", "max_output_len", "max_input_len", "block_size", "tp_size", "pp_size"):
+        for name in (
+            "max_batch_size",
+            "max_output_len",
+            "max_input_len",
+            "block_size",
+            "tp_size",
+            "pp_size",
+            "max_n_spec_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"InferenceConfig.{name}={value!r} must be a positive int")
@@ -165,7 +176,6 @@ class InferenceConfig:
             "beam_width",
             "no_repeat_ngram_size",
             "forced_eos_token_id",
-            "use_spec_dec",
             "glimpse_large_kv",
             "tp_size",
             "pp_size",

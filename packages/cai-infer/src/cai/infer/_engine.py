@@ -15,6 +15,7 @@ from ._config import InferenceConfig
 from ._runner import ModelRunner, kv_cache_for
 from ._sampling import SamplingParams, apply_penalties_and_masks, logprobs_of, sample
 from ._scheduler import Scheduler, Sequence, SequenceStatus
+from ._speculative import ModelDrafter, PromptLookupDrafter, verify
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,78 @@ class InferenceEngine:
         if eos is None and tokenizer is not None:
             eos = getattr(tokenizer, "eos_token_id", None)
         self._eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self._drafter: ModelDrafter | PromptLookupDrafter | None = None
+        self.n_spec_tokens = 0
+        self.num_drafted = 0  # draft tokens verified, since construction
+        self.num_accepted = 0  # of them, accepted
+        if config.use_spec_dec:
+            self.enable_spec_dec()  # prompt lookup; a draft model comes through enable_spec_dec
+
+    # -- speculative decoding -----------------------------------------------------------------------------------
+    def enable_spec_dec(
+        self,
+        drafter_model: nn.Module | None = None,
+        n_spec_tokens: int | None = None,
+        use_glide_drafter: bool = False,
+    ) -> None:
+        """Decode speculatively: each decoding sequence gets up to ``n_spec_tokens`` (default
+        ``InferenceConfig.max_n_spec_tokens``) draft tokens per step, verified in the same target forward (see
+        _speculative.py [Note: speculative step]). ``drafter_model``: a small causal LM with the target's
+        vocabulary (cast to the config's dtype, moved to the target's device); None drafts by prompt lookup."""
+        if use_glide_drafter:
+            raise NotImplementedError(
+                "use_glide_drafter=True (GLIDE, a drafter reading the target's KV cache) is not built; pass a plain "
+                "drafter_model or none (prompt lookup)"
+            )
+        k = self.config.max_n_spec_tokens if n_spec_tokens is None else n_spec_tokens
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"n_spec_tokens={k!r} must be a positive int")
+        if drafter_model is None:
+            self._drafter = PromptLookupDrafter()
+        else:
+            if drafter_model is self.model:
+                raise ValueError("drafter_model is the target model itself; pass a separate, smaller model")
+            drafter_model = drafter_model.to(device=self.runner.device, dtype=self.config.dtype)
+            self._drafter = ModelDrafter(
+                drafter_model, vocab_size=self.model.get_output_embeddings().weight.shape[0]
+            )
+        self.n_spec_tokens = k
+
+    def disable_spec_dec(self) -> None:
+        """Back to one token per sequence per step (the drafter is kept for ``enable_spec_dec`` to reuse)."""
+        self.n_spec_tokens = 0
+
+    def clear_spec_dec(self) -> None:
+        """Stop decoding speculatively and drop the drafter."""
+        self.n_spec_tokens = 0
+        self._drafter = None
+
+    @property
+    def use_spec_dec(self) -> bool:
+        return self._drafter is not None and self.n_spec_tokens > 0
+
+    def _draft(self, batch: Any) -> list[list[int]] | None:
+        """Draft tokens for each decoding sequence of ``batch`` whose blocks can be reserved, within the step's
+        token budget; the drafter's probabilities go to ``self._draft_probs``."""
+        budget = self.config.token_budget - sum(batch.num_new)
+        drafts: list[list[int]] = []
+        self._draft_probs: dict[int, torch.Tensor | None] = {}
+        for i, (seq, c, n, take) in enumerate(
+            zip(batch.seqs, batch.num_computed, batch.num_new, batch.samples, strict=True)
+        ):
+            k = min(self.n_spec_tokens, seq.max_new_tokens - seq.num_output_tokens - 1, budget)
+            proposal: list[int] = []
+            if take and n == 1 and c == seq.num_tokens - 1 and k > 0:
+                proposal, probs = self._drafter.propose(
+                    seq.request_id, seq.tokens, k, seq.params, seq.generator
+                )
+                if proposal and self.scheduler.reserve_more(seq, 1 + len(proposal), batch.copies):
+                    self._draft_probs[i] = probs
+                    budget -= len(proposal)
+                else:
+                    proposal = []
+            drafts.append(proposal)
+        return drafts if any(drafts) else None
 
     # -- requests -----------------------------------------------------------------------------------------------
     def add_request(
@@ -191,6 +264,8 @@ class InferenceEngine:
         """Stop a queued or running request and free its blocks (an unknown or finished id is ignored)."""
         self.scheduler.abort(str(request_id))
         self._requests.pop(str(request_id), None)
+        if self._drafter is not None:
+            self._drafter.forget(str(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -204,20 +279,56 @@ class InferenceEngine:
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
-        raw = self.runner.run(batch)
-        sampling = [s for s, take in zip(batch.seqs, batch.samples, strict=True) if take]
-        params = [s.params for s in sampling]
-        logits = apply_penalties_and_masks(raw, params, [s.tokens for s in sampling])
-        tokens = sample(logits, params, [s.generator for s in sampling])
-        for i, (seq, token) in enumerate(zip(sampling, tokens, strict=True)):
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(logprobs_of(raw[i], token, seq.params.logprobs))
+        drafts = self._draft(batch) if self.use_spec_dec else None
+        raw = self.runner.run(batch, drafts)
+        sampling = [i for i, take in enumerate(batch.samples) if take]
+        spans = [1 + (len(drafts[i]) if drafts else 0) for i in sampling]
+        params: list[SamplingParams] = []
+        history: list[list[int]] = []
+        for i, span in zip(sampling, spans, strict=True):
+            seq = batch.seqs[i]
+            for j in range(span):
+                params.append(seq.params)
+                history.append(seq.tokens + drafts[i][:j] if j else seq.tokens)
+        logits = apply_penalties_and_masks(raw, params, history)
+        if drafts is None:
+            tokens: list[int] | list[list[int]] = sample(
+                logits, params, [batch.seqs[i].generator for i in sampling]
+            )
+        else:
+            emitted: list[list[int]] = []
+            row = 0
+            for i, span in zip(sampling, spans, strict=True):
+                seq = batch.seqs[i]
+                probs = self._draft_probs.get(i)
+                emitted.append(
+                    verify(
+                        logits[row : row + span],
+                        drafts[i],
+                        None if probs is None else probs.to(logits.device),
+                        seq.params,
+                        seq.generator,
+                    )
+                )
+                row += span
+                self.num_drafted += len(drafts[i])
+                self.num_accepted += len(emitted[-1]) - 1
+            tokens = emitted
+        rows = [sum(spans[:j]) for j in range(len(spans))]
+        before = [batch.seqs[i].num_output_tokens for i in sampling]
         advanced = self.scheduler.update(batch, tokens)
+        for i, first_row, old in zip(sampling, rows, before, strict=True):
+            seq = batch.seqs[i]
+            if seq.params.logprobs is not None:
+                for j, token in enumerate(seq.output_token_ids[old:]):
+                    seq.logprobs.append(logprobs_of(raw[first_row + j], token, seq.params.logprobs))
         for seq in advanced:
             if seq.params.stop and not seq.status.finished:
                 self._check_stop_strings(seq)
             if seq.status.finished:
                 del self._requests[seq.request_id]
+                if self._drafter is not None:
+                    self._drafter.forget(seq.request_id)
         return advanced
 
     def _check_stop_strings(self, seq: Sequence) -> None:

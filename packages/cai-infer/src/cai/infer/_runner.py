@@ -36,25 +36,31 @@ class ModelRunner:
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> torch.Tensor:
         """Writes the batch's K/V into the cache; returns the logits (fp32) of the last token of each sequence
-        that samples, in batch order (shape (samples, vocab))."""
+        that samples, in batch order (shape (samples, vocab)).
+
+        With ``drafts`` (per sequence of the batch; a sampling sequence may carry draft tokens, whose blocks the
+        caller reserved), the drafts run after the sequence's tokens and each sampling sequence gets
+        ``1 + len(its drafts)`` rows: the logits after its last token and after each draft."""
         self.cache.copy_blocks(batch.copies)
+        drafts = drafts or [[] for _ in batch.seqs]
         ids: list[int] = []
-        pos: list[int] = []
         keep: list[int] = []
-        for seq, c, n, sample in zip(
-            batch.seqs, batch.num_computed, batch.num_new, batch.samples, strict=True
+        num_new: list[int] = []
+        for seq, c, n, sample, extra in zip(
+            batch.seqs, batch.num_computed, batch.num_new, batch.samples, drafts, strict=True
         ):
             ids.extend(seq.tokens[c : c + n])
-            pos.extend(range(c, c + n))
+            ids.extend(extra)
+            num_new.append(n + len(extra))
             if sample:
-                keep.append(len(ids) - 1)
+                keep.extend(range(len(ids) - 1 - len(extra), len(ids)))
         paged = PagedBatch.build(
             self.cache,
             block_tables=[s.block_table for s in batch.seqs],
             num_computed=batch.num_computed,
-            num_new=batch.num_new,
+            num_new=num_new,
             device=self.device,
         )
         out = self.model(

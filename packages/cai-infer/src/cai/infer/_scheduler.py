@@ -206,14 +206,33 @@ class Scheduler:
         seq.num_computed = 0
 
     # -- after the forward --------------------------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance the batch by its computed tokens and the ``sampled`` ones (one per sampling sequence, in
-        order); returns the sequences that got a new token."""
+    def update(self, batch: ScheduledBatch, sampled: list[int] | list[list[int]]) -> list[Sequence]:
+        """Advance the batch by its computed tokens and the ``sampled`` ones (per sampling sequence, in order: a
+        token, or a list of tokens from a speculative step); returns the sequences that got new tokens.
+
+        [Note: speculative advance]
+        A list ``[d_1 .. d_m, b]`` is m accepted draft tokens and the token sampled after them. The step computed
+        the K/V of the drafts (their slots follow the sequence's last token), so ``num_computed`` grows by
+        ``n + m``; the K/V of rejected drafts sit past ``num_computed``, are never read, and the blocks that held
+        only them go back to the pool here. A stop token or the length limit cuts the list short."""
         out = []
         it = iter(sampled)
         bs = self.blocks.block_size
         for seq, n, sample in zip(batch.seqs, batch.num_new, batch.samples, strict=True):
-            seq.num_computed += n
+            new: list[int] = []
+            status = None
+            if sample:
+                got = next(it)
+                for token in [got] if isinstance(got, int) else got:
+                    new.append(token)
+                    if token in seq.stop_ids:
+                        status = SequenceStatus.FINISHED_STOPPED
+                    elif seq.num_output_tokens + len(new) >= seq.max_new_tokens:
+                        status = SequenceStatus.FINISHED_LENGTH
+                    if status is not None:
+                        break
+            seq.tokens.extend(new)
+            seq.num_computed += n + max(0, len(new) - 1)
             while len(seq.block_hashes) < seq.num_computed // bs:
                 j = len(seq.block_hashes)
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
@@ -227,14 +246,19 @@ class Scheduler:
                 self.blocks.register(seq.block_table[j], parent, tuple(seq.tokens[j * bs : seq.num_computed]))
             if not sample:
                 continue
-            token = next(it)
-            seq.tokens.append(token)
             out.append(seq)
-            if token in seq.stop_ids:
-                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            elif seq.num_output_tokens >= seq.max_new_tokens:
-                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+            if status is not None:
+                self.finish(seq, status)
+                continue
+            keep = -(-seq.num_computed // bs)  # blocks past it held only rejected drafts
+            self.blocks.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
         return out
+
+    def reserve_more(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
+        """Blocks for ``n`` tokens from ``seq``'s ``num_computed`` on, after ``schedule`` reserved fewer (the
+        draft tokens of a speculative step); all or nothing."""
+        return self._reserve(seq, n, copies)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.running.remove(seq)

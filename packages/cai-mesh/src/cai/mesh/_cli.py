@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import sys
 
 from cai.mesh._cli_check import add_check_parser
@@ -24,7 +25,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     add_run_parser(sub)
     add_check_parser(sub)
+    _add_plugin_parsers(sub)
     return parser
+
+
+def _add_plugin_parsers(sub: argparse._SubParsersAction) -> None:
+    """Subcommands other packages register under the entry-point group ``cai.cli`` (``name = "module:func"``,
+    ``func(sub)`` adds the parser), so this package never imports them. One that fails to load is reported and
+    skipped: a broken optional package must not take ``cai run`` down with it."""
+    names = []
+    for ep in sorted(md.entry_points(group="cai.cli"), key=lambda e: e.name):
+        if ep.name in sub.choices:
+            continue  # the same distribution seen twice on the path
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # any error importing an optional package
+            print(f"cai: subcommand {ep.name!r} ({ep.value}) failed to load: {exc}", file=sys.stderr)
+            continue
+        names.append(ep.name)
+    if names:
+        sub.metavar = "{" + ",".join(["run", "check", *names]) + "}"
 
 
 def main(argv: list[str] | None = None) -> int:
