@@ -10,6 +10,7 @@ from cai.shardformer._embedding import (
     vocab_parallel_cross_entropy,
 )
 from cai.shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row, ParallelModule
+from cai.shardformer._moe import ExpertParallelExperts
 from cai.shardformer._ops import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -22,12 +23,15 @@ from cai.shardformer._ops import (
 from cai.shardformer._policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from cai.shardformer._shardformer import ShardFormer, shard_model
 from cai.shardformer._state import load_sharded_state_dict, sharded_state_dict
+from cai.shardformer.policies.moe import ExpertParallelPolicy
 
 __version__ = _version("cai-shardformer")
 
 __all__ = [
     "SUPPORT_SP_MODE",
     "Embedding1D",
+    "ExpertParallelExperts",
+    "ExpertParallelPolicy",
     "FusedLinear1D_Col",
     "Linear1D_Col",
     "Linear1D_Row",

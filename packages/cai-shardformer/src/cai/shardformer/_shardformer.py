@@ -35,6 +35,10 @@ class ShardFormer:
                 f"ShardConfig sets {', '.join(unsupported)}, which cai-shardformer does not build yet; leave "
                 f"them at their defaults (tensor parallelism alone works)"
             )
+        if policy is None and cfg.expert_parallel_size > 1:
+            from cai.shardformer.policies.moe import ExpertParallelPolicy
+
+            policy = ExpertParallelPolicy(get_autopolicy(model) if cfg.tensor_parallel_size > 1 else None)
         policy = get_autopolicy(model) if policy is None else policy
         policy.set_model(model)
         policy.set_shard_config(cfg)  # runs config_sanity_check
@@ -46,7 +50,7 @@ class ShardFormer:
             patch_hf_model(model, rms_norm=True, swiglu=False, rope=False, fused_loss=False)
         apply_module_policy(model, policy.module_policy(), cfg)
         model = policy.postprocess()
-        if cfg.tensor_parallel_size > 1:
+        if cfg.tensor_parallel_size > 1 or cfg.expert_parallel_size > 1:
             enable_state_protocol(model)  # so cai-ckpt saves the Hugging Face layout from the shards
         return model, shared_params
 
