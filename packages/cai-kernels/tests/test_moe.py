@@ -23,22 +23,23 @@ CASES = [(13, 2, 5, 20, 17), (7, 3, 4, 8, 24)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_moe_mlp_matches_per_expert_loop(case, impl):
+def test_moe_mlp_matches_per_expert_loop(case, impl, device):
     t, k, e, h, f = case
     g = torch.Generator().manual_seed(sum(case))
-    x = torch.randn(t, h, generator=g, requires_grad=True)
-    w_up = (torch.randn(e, f, h, generator=g) / h**0.5).requires_grad_()
-    w_down = (torch.randn(e, h, f, generator=g) / f**0.5).requires_grad_()
+    x = torch.randn(t, h, generator=g).to(device).requires_grad_()
+    w_up = (torch.randn(e, f, h, generator=g) / h**0.5).to(device).requires_grad_()
+    w_down = (torch.randn(e, h, f, generator=g) / f**0.5).to(device).requires_grad_()
     # Skewed routing: expert 0 is picked often, the last expert never (an idle expert must get a zero gradient).
     scores = torch.randn(t, e, generator=g)
     scores[:, 0] += 1.5
     scores[:, -1] -= 100
-    weights, index = torch.softmax(scores, -1).topk(k, dim=-1)
+    weights, index = torch.softmax(scores.to(device), -1).topk(k, dim=-1)
     weights = weights.detach().requires_grad_()
-    dy = torch.randn(t, h, generator=g)
+    dy = torch.randn(t, h, generator=g).to(device)
 
     rows, order, counts = permute_tokens(x, index, e)
     assert counts.tolist() == torch.bincount(index.flatten(), minlength=e).tolist() and counts[-1] == 0
+    assert rows.device == x.device
     hidden = torch.relu(grouped_linear(rows, w_up, counts))
     out = unpermute_tokens(grouped_linear(hidden, w_down, counts), order, weights)
     grads = torch.autograd.grad(out, (x, w_up, w_down, weights), dy)
