@@ -70,3 +70,20 @@ def test_bad_shapes_name_the_values(impl):
         grouped_linear(torch.randn(3, 4), torch.randn(2, 5, 3), torch.tensor([2, 1]))
     with pytest.raises(ValueError, match="num_experts=2"):
         permute_tokens(torch.randn(2, 4), torch.tensor([[0], [3]]), 2)
+
+
+def test_grouped_linear_bf16_accumulates_in_fp32(impl, device):
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 9])
+    x = torch.randn(14, 24, generator=g).to(device, torch.bfloat16).requires_grad_()
+    w = torch.randn(3, 20, 24, generator=g).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(14, 20, generator=g).to(device, torch.bfloat16)
+    y = grouped_linear(x, w, counts)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    yf = torch.cat([xf[:5] @ wf[0].t(), xf[5:] @ wf[2].t()])
+    dxf, dwf = torch.autograd.grad(yf, (xf, wf), dy.float())
+    assert y.dtype == dx.dtype == dw.dtype == torch.bfloat16
+    for got, want in [(y, yf), (dx, dxf), (dw, dwf)]:
+        err = (got.float() - want).abs().max().item()
+        assert err <= 2e-2 * want.abs().max().item(), err

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cai.kernels._dispatch import use_triton
+from cai.kernels._dispatch import _interpret, use_triton
 
 # (BM rows, BN columns, BK reduction) per program; 16 is tl.dot's smallest size.
 _BLOCKS = {"cuda": (64, 64, 32), "cpu": (16, 16, 16)}
@@ -87,6 +87,13 @@ def _prec(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
+def _upcast(t: torch.Tensor) -> bool:
+    # UPCAST: the Triton interpreter keeps bf16 as raw 16-bit integers and its tl.dot multiplies those, so on CPU the
+    # operands go to fp32 first. The result is the same (a product of two half-precision values is exact in fp32,
+    # and the accumulator is fp32 either way); compiled kernels multiply in the inputs' dtype on the tensor cores.
+    return t.dtype != torch.float32 and _interpret()
+
+
 def _grouped_mm(x, w, offs, counts, n, k, w_strides):
     import triton
 
@@ -99,7 +106,7 @@ def _grouped_mm(x, w, offs, counts, n, k, w_strides):
         grid = (tile_e.numel(), triton.cdiv(n, bn))
         grouped_mm_kernel[grid](
             x, w, y, tile_e, tile_r, offs, n, k, x.stride(0), x.stride(1), w.stride(0), *w_strides,
-            y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk, PREC=_prec(x),
+            y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk, PREC=_prec(x), UPCAST=_upcast(x),
         )  # fmt: skip
     return y
 
@@ -137,7 +144,7 @@ class _GroupedLinear(torch.autograd.Function):
             grid = (n_e, triton.cdiv(out_f, bn), triton.cdiv(in_f, bk))
             grouped_mm_wgrad_kernel[grid](
                 dy, x, dw, offs, out_f, in_f, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                dw.stride(0), dw.stride(1), dw.stride(2), BM=bm, BN=bn, BK=bk, PREC=_prec(x),
+                dw.stride(0), dw.stride(1), dw.stride(2), BM=bm, BN=bn, BK=bk, PREC=_prec(x), UPCAST=_upcast(x),
             )  # fmt: skip
         return dx, dw, None
 

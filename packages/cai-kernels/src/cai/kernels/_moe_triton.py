@@ -12,7 +12,7 @@ import triton.language as tl
 def grouped_mm_kernel(
     X, W, Y, TILE_EXPERT, TILE_ROW, OFFS, N, K,
     sxm, sxk, swe, swk, swn, sym, syn,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     # One program: BM rows of one expert (a tile never crosses experts) times BN output columns.
     t = tl.program_id(0)
@@ -36,6 +36,8 @@ def grouped_mm_kernel(
             mask=(rk < K)[:, None] & (rn < N)[None, :],
             other=0.0,
         )
+        if UPCAST:  # see UPCAST in _moe.py
+            a, b = a.to(tl.float32), b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=PREC)
         k0 += BK
     mask = (rm < row_end)[:, None] & (rn < N)[None, :]
@@ -46,7 +48,7 @@ def grouped_mm_kernel(
 def grouped_mm_wgrad_kernel(
     DY, X, DW, OFFS, N, K,
     sdym, sdyn, sxm, sxk, sdwe, sdwn, sdwk,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     # dW[e] (N, K) = dY_e^T (N, rows) @ X_e (rows, K); the loop runs over expert e's rows, so an expert with no
     # rows writes zeros (its gradient is zero, not missing).
@@ -67,6 +69,8 @@ def grouped_mm_wgrad_kernel(
         b = tl.load(
             X + rr[:, None] * sxm + rk[None, :] * sxk, mask=(rr < end)[:, None] & (rk < K)[None, :], other=0.0
         )
+        if UPCAST:  # see UPCAST in _moe.py
+            a, b = a.to(tl.float32), b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=PREC)
         r0 += BM
     mask = (rn < N)[:, None] & (rk < K)[None, :]
