@@ -1,5 +1,5 @@
 """Expert parallelism for mixture-of-experts models, as a policy that wraps the dense (attention, MLP) policy of
-the model's family: Mixtral, Qwen2-MoE, Qwen3-MoE."""
+the model's family: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ MOE_BLOCKS: dict[str, str] = {
     "MixtralSparseMoeBlock": "experts",
     "Qwen2MoeSparseMoeBlock": "experts",
     "Qwen3MoeSparseMoeBlock": "experts",
+    "DeepseekV3MoE": "experts",
 }
 
 
