@@ -1,4 +1,4 @@
-"""cai-kernels: Triton training kernels (norms, rotary, SwiGLU, fused linear cross-entropy) and Adam optimizers (CPUAdam, FusedAdam, HybridAdam), each with a pure-torch fallback.
+"""cai-kernels: Triton training kernels (norms, rotary, SwiGLU, fused linear cross-entropy, mixture-of-experts grouped GEMM) and Adam optimizers (CPUAdam, FusedAdam, HybridAdam), each with a pure-torch fallback.
 
 Every kernel function picks the Triton kernel for CUDA tensors and a pure-torch implementation otherwise;
 `CAI_KERNELS_FALLBACK=1` forces the torch path and `CAI_KERNELS_IMPL=triton|torch|auto` chooses explicitly
@@ -10,6 +10,7 @@ from importlib.metadata import version as _version
 from cai.kernels._dispatch import kernel_report
 from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, patch_hf_model
+from cai.kernels._moe import grouped_linear, permute_tokens, unpermute_tokens
 from cai.kernels._norm import LayerNorm, RMSNorm, layer_norm, rms_norm
 from cai.kernels._paged_attention import paged_attention
 from cai.kernels._rope import apply_rotary_pos_emb
@@ -26,10 +27,13 @@ __all__ = [
     "apply_rotary_pos_emb",
     "defer_lm_head_loss",
     "fused_linear_cross_entropy",
+    "grouped_linear",
     "kernel_report",
     "layer_norm",
     "paged_attention",
     "patch_hf_model",
+    "permute_tokens",
     "rms_norm",
     "swiglu",
+    "unpermute_tokens",
 ]

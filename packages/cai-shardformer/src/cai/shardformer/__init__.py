@@ -17,6 +17,7 @@ from cai.shardformer._embedding import (
     vocab_parallel_cross_entropy,
 )
 from cai.shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row, ParallelModule
+from cai.shardformer._moe import ExpertParallelExperts
 from cai.shardformer._ops import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -37,6 +38,7 @@ from cai.shardformer._state import (
     tp_optimizer_state,
 )
 from cai.shardformer._ulysses import ulysses_attention
+from cai.shardformer.policies.moe import ExpertParallelPolicy
 
 __version__ = _version("cai-shardformer")
 
@@ -45,6 +47,8 @@ __all__ = [
     "DropoutForParallelInput",
     "DropoutForReplicatedInput",
     "Embedding1D",
+    "ExpertParallelExperts",
+    "ExpertParallelPolicy",
     "FusedLinear1D_Col",
     "GPT2FusedLinearConv1D_Col",
     "GPT2FusedLinearConv1D_Row",

@@ -106,7 +106,7 @@ class ShardConfig:
         out = []
         if self.enable_sequence_parallelism and self.sequence_parallelism_mode not in BUILT_SP_MODES:
             out.append(f"enable_sequence_parallelism (mode {self.sequence_parallelism_mode!r})")
-        for name in ("pipeline_stage_manager", "gradient_checkpoint_config", "ep_group", "moe_dp_group"):
+        for name in ("pipeline_stage_manager", "gradient_checkpoint_config", "moe_dp_group"):
             if getattr(self, name) is not None:
                 out.append(name)
         if self.fp8_communication:

@@ -38,6 +38,10 @@ class ShardFormer:
                 f"ShardConfig sets {', '.join(unsupported)}, which cai-shardformer does not build yet; leave "
                 f"them at their defaults (tensor parallelism alone works)"
             )
+        if policy is None and cfg.expert_parallel_size > 1:
+            from cai.shardformer.policies.moe import ExpertParallelPolicy
+
+            policy = ExpertParallelPolicy(get_autopolicy(model) if cfg.tensor_parallel_size > 1 else None)
         policy = get_autopolicy(model) if policy is None else policy
         if cfg.enable_sequence_parallelism:
             check_sequence_parallel(cfg, policy)
@@ -58,7 +62,7 @@ class ShardFormer:
         model = policy.postprocess()
         if sp_attention:
             install_sp_attention(model, cfg, attention)
-        if cfg.tensor_parallel_size > 1:
+        if cfg.tensor_parallel_size > 1 or cfg.expert_parallel_size > 1:
             enable_state_protocol(model)  # so cai-ckpt saves the Hugging Face layout from the shards
         return model, shared_params
 
