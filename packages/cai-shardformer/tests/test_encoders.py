@@ -205,13 +205,13 @@ def gathered(model, grads: bool = False) -> dict:
     return out
 
 
-def _close(actual: dict, expected: dict, name: str) -> None:
+def _close(actual: dict, expected: dict, name: str, floor: float = 1e-9) -> None:
     """The rule of test_policies._close (1e-5 relative, absolute floor 1e-5 of the tensor's largest element),
     with a floor of 1e-9: the attention key bias has a gradient that is exactly zero (softmax does not change when
     a query's scores all move by the same amount), so its computed value is rounding noise around 1e-13."""
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
     for k, e in expected.items():
-        atol = max(1e-5 * float(e.abs().max()), 1e-9)
+        atol = max(1e-5 * float(e.abs().max()), floor)
         assert_close(actual[k], e, rtol=1e-5, atol=atol, name=f"{name} {k}")
 
 
@@ -261,7 +261,9 @@ def train_and_compare(fam: Family, case_id: str) -> None:
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
-        _close(gathered(model), dict(ref.named_parameters()), f"{case_id} step {step} param")
+        # Parameters: an element whose gradient is rounding noise (~1e-7, a row of a token absent from the
+        # batch) moves by lr * noise / eps = 1e-3 * 1e-7 / 1e-4 = 1e-6 per step, in either run differently.
+        _close(gathered(model), dict(ref.named_parameters()), f"{case_id} step {step} param", floor=2e-6)
 
 
 def run_matrix(models: dict[str, Family], cases: list[Case]) -> dict[str, str | None]:
