@@ -261,8 +261,8 @@ def train_and_compare(fam: Family, case_id: str) -> None:
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
-        # Parameters: an element whose gradient is rounding noise (~1e-7, a row of a token absent from the
-        # batch) moves by lr * noise / eps = 1e-3 * 1e-7 / 1e-4 = 1e-6 per step, in either run differently.
+        # Parameters: an element whose gradient is at the level of rounding noise (~1e-7, sums that nearly
+        # cancel) moves by lr * noise / eps = 1e-3 * 1e-7 / 1e-4 = 1e-6 per step, differently in the two runs.
         _close(gathered(model), dict(ref.named_parameters()), f"{case_id} step {step} param", floor=2e-6)
 
 
