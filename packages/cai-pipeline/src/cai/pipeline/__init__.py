@@ -7,6 +7,7 @@ The contract between stages and schedules is in ``cai.pipeline._stage`` ([Note: 
 
 from importlib.metadata import version as _version
 
+from cai.pipeline._clip import clip_grad_norm_
 from cai.pipeline._layout import PipelineLayout, layout_from_pp_plan
 from cai.pipeline._manager import PipelineStageManager, distribute_layers
 from cai.pipeline._model import PipelineModel, build_stages
@@ -52,6 +53,7 @@ __all__ = [
     "balance_layers",
     "build_schedule",
     "build_stages",
+    "clip_grad_norm_",
     "distribute_layers",
     "layout_from_pp_plan",
     "partition_by_cost",
