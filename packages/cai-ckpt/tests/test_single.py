@@ -133,7 +133,7 @@ def test_plan_balances_files_over_ranks_by_bytes():
     metas = [
         {
             "tensors": {
-                f"t{i}": {"spec": ShardSpec.full((s, 1024 * 256)).to_dict(), "dtype": "F32"}
+                f"t{i}": {"specs": [ShardSpec.full((s, 1024 * 256)).to_dict()], "dtype": "F32"}
                 for i, s in enumerate(sizes)
             },
             "aliases": {},

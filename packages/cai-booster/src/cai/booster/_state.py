@@ -190,7 +190,8 @@ class LoadView:
         local = dict(self.obj.sharded_state_dict())
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return local
-        shapes = {k: s.spec.global_shape for k, s in local.items()}
+        # A list is a rank's several pieces of one tensor (a fused projection's row blocks): same global shape.
+        shapes = {k: (s[0] if isinstance(s, list) else s).spec.global_shape for k, s in local.items() if s}
         everyone: list[dict[str, tuple[int, ...]]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, shapes)
         for other in everyone:

@@ -25,10 +25,10 @@ from cai.ckpt._format import (
 )
 from cai.ckpt._load import CheckpointReader
 from cai.ckpt._optim import TorchOptimizerAdapter
-from cai.ckpt._plan import local_metadata
+from cai.ckpt._plan import State, global_shapes, local_metadata
 from cai.ckpt._save import full_state, join, write_sharded
 from cai.ckpt._txn import IO_THREADS, Transaction, dist_info, finish, run_parallel, wait
-from cai.mesh import LocalShard, ShardSpec
+from cai.mesh import ShardSpec
 
 
 def unwrap(model: Any) -> Any:
@@ -42,7 +42,7 @@ def unwrap(model: Any) -> Any:
             return model
 
 
-def model_state(source: Any) -> dict[str, LocalShard]:
+def model_state(source: Any) -> State:
     source = unwrap(source)
     if hasattr(source, "sharded_state_dict"):
         return dict(source.sharded_state_dict())
@@ -264,7 +264,7 @@ def prepare_model_load(
     target = unwrap(target)
     reader = CheckpointReader(path, index_name=MODEL_INDEX_NAME, single_name=MODEL_SINGLE_NAME, verify=verify)
     if hasattr(target, "load_sharded_state_dict"):
-        local = {k: s.spec.global_shape for k, s in target.sharded_state_dict().items()}
+        local = global_shapes(target.sharded_state_dict())
         reader.check(_union_over_ranks(local, group), strict=strict)
         # Each rank reads (and verifies) different bytes: the load runs to its end on every rank, then all raise.
         reader.defer_failures = True
@@ -354,7 +354,7 @@ def prepare_optimizer_load(
     for k in reader.weight_map:
         reader.header(k)  # every file's header is validated before anything is copied
     if not isinstance(view, TorchOptimizerAdapter):
-        current = {k: s.spec.global_shape for k, s in view.sharded_state_dict().items()}
+        current = global_shapes(view.sharded_state_dict())
         reader.check(current, strict=False)
         reader.defer_failures = True  # as for a sharded model: every rank raises together
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,22 +40,51 @@ class FilePlan:
         return sum(t.nbytes for t in self.tensors)
 
 
-def local_metadata(state: dict[str, LocalShard]) -> dict[str, Any]:
+State = dict[str, LocalShard | list[LocalShard]]
+"""What ``sharded_state_dict()`` returns: per name, this rank's piece, or a list of its disjoint pieces."""
+
+
+def pieces(entry: LocalShard | Sequence[LocalShard]) -> list[LocalShard]:
+    """A state entry's pieces. A rank may hold several disjoint blocks of one tensor (GPT-2's fused ``c_attn``:
+    its heads of q, of k and of v); it reports them as a list, every other entry is one ``LocalShard``."""
+    return list(entry) if isinstance(entry, list) else [entry]
+
+
+def global_shapes(state: State) -> dict[str, tuple[int, ...]]:
+    """Name -> global shape, for the key checks of a load (names with no piece on this rank left out)."""
+    return {name: p[0].spec.global_shape for name, entry in state.items() if (p := pieces(entry))}
+
+
+def local_metadata(state: State) -> dict[str, Any]:
     """What a rank publishes about its pieces: small and JSON-able. Also finds aliases (tied weights)."""
     tensors = {}
     seen: dict[tuple, str] = {}
     aliases = {}
-    for name, (tensor, spec) in state.items():
-        if tuple(tensor.shape) != spec.local_shape:
-            raise ValueError(
-                f"{name}: local tensor shape {tuple(tensor.shape)} does not match its spec {spec.local_shape}"
-            )
-        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(), spec)
-        if tensor.numel() and key in seen:
-            aliases[name] = seen[key]  # the same memory under two names: store it once
+    for name, entry in state.items():
+        shards = pieces(entry)
+        for tensor, spec in shards:
+            if tuple(tensor.shape) != spec.local_shape:
+                raise ValueError(
+                    f"{name}: local tensor shape {tuple(tensor.shape)} does not match its spec {spec.local_shape}"
+                )
+            if tensor.dtype != shards[0].tensor.dtype:
+                raise ValueError(
+                    f"{name}: this rank's pieces have dtypes {shards[0].tensor.dtype} and {tensor.dtype}; "
+                    "report every piece of one tensor in the same dtype"
+                )
+        if not shards:
             continue
-        seen[key] = name
-        tensors[name] = {"spec": spec.to_dict(), "dtype": dtype_name(tensor.dtype)}
+        if len(shards) == 1:
+            tensor, spec = shards[0]
+            key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(), spec)
+            if tensor.numel() and key in seen:
+                aliases[name] = seen[key]  # the same memory under two names: store it once
+                continue
+            seen[key] = name
+        tensors[name] = {
+            "specs": [spec.to_dict() for _, spec in shards],
+            "dtype": dtype_name(shards[0].tensor.dtype),
+        }
     return {"tensors": tensors, "aliases": aliases}
 
 
@@ -71,19 +101,20 @@ def make_plan(
     holders: dict[str, dict[ShardSpec, list[int]]] = {}
     for rank, meta in enumerate(metas):
         for name, info in meta["tensors"].items():
-            spec = ShardSpec.from_dict(info["spec"])
-            t = tensors.get(name)
-            if t is None:
-                t = tensors[name] = TensorPlan(
-                    name, spec.global_shape, out_dtype(name, dtype_from_name(info["dtype"]))
-                )
-                holders[name] = {}
-            elif t.global_shape != spec.global_shape:
-                raise ValueError(
-                    f"{name}: ranks disagree on the global shape ({t.global_shape} vs {spec.global_shape})"
-                )
-            if spec.numel or not math.prod(spec.global_shape):
-                holders[name].setdefault(spec, []).append(rank)
+            for spec_dict in info["specs"]:
+                spec = ShardSpec.from_dict(spec_dict)
+                t = tensors.get(name)
+                if t is None:
+                    t = tensors[name] = TensorPlan(
+                        name, spec.global_shape, out_dtype(name, dtype_from_name(info["dtype"]))
+                    )
+                    holders[name] = {}
+                elif t.global_shape != spec.global_shape:
+                    raise ValueError(
+                        f"{name}: ranks disagree on the global shape ({t.global_shape} vs {spec.global_shape})"
+                    )
+                if spec.numel or not math.prod(spec.global_shape):
+                    holders[name].setdefault(spec, []).append(rank)
     aliases: dict[str, str] = {}
     for meta in metas:
         for alias, target in meta["aliases"].items():

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cai.ckpt._format import SafetensorsWriter, dtype_from_name, write_json
-from cai.ckpt._plan import FilePlan, local_metadata, make_plan
+from cai.ckpt._plan import FilePlan, State, local_metadata, make_plan, pieces
 from cai.ckpt._txn import IO_THREADS, SaveFailed, Transaction, global_rank, run_parallel
 from cai.mesh import LocalShard, ShardSpec
 
@@ -37,7 +37,7 @@ def full_state(tensors: dict[str, torch.Tensor]) -> dict[str, LocalShard]:
 
 def write_sharded(
     txn: Transaction,
-    state: dict[str, LocalShard],
+    state: State,
     *,
     subdir: str,
     prefix: str,
@@ -46,7 +46,8 @@ def write_sharded(
     out_dtype: Callable[[str, torch.dtype], torch.dtype],
     use_async: bool,
 ) -> None:
-    """Write ``state`` (pieces of global tensors, by name) as full tensors into ``txn``'s ``subdir``.
+    """Write ``state`` (pieces of global tensors, by name; a list where a rank holds several pieces of one
+    tensor) as full tensors into ``txn``'s ``subdir``.
 
     Every rank calls this with its own pieces. Shard files are balanced over ranks by bytes; the rank that
     owns a file receives the pieces it lacks (``dist.isend``/``dist.recv``, in one global order so that no
@@ -57,6 +58,7 @@ def write_sharded(
     """
     group, rank, world = txn.group, txn.rank, txn.world
     meta = local_metadata(state)
+    held = {name: {s.spec: s.tensor for s in pieces(entry)} for name, entry in state.items()}
     meta["failed"] = txn.failed
     metas = [meta]
     if world > 1:
@@ -79,7 +81,7 @@ def write_sharded(
         for t in f.tensors:
             for src, spec in t.sources:
                 if src == rank and spec.numel:
-                    piece = state[t.name].tensor.detach().to(comm_device).contiguous()
+                    piece = held[t.name][spec].detach().to(comm_device).contiguous()
                     sends.append((dist.isend(piece, dst=global_rank(group, f.owner), group=group), piece))
 
     mine = [f for f in files if f.owner == rank]
@@ -87,7 +89,7 @@ def write_sharded(
 
     def assembled(f: FilePlan) -> Iterator[tuple[str, torch.Tensor]]:
         for t in f.tensors:
-            full = _assemble(t, state, metas, rank, group, comm_device)
+            full = _assemble(t, held, metas, rank, group, comm_device)
             received.add(t.name)
             yield t.name, full
 
@@ -104,7 +106,7 @@ def write_sharded(
                         t.name,
                         _host_copy(
                             (subdir, t.name),
-                            _assemble(t, state, metas, rank, group, comm_device, raw=True),
+                            _assemble(t, held, metas, rank, group, comm_device, raw=True),
                             t.dtype,
                         ),
                     )
@@ -123,7 +125,7 @@ def write_sharded(
             for f in mine:
                 for t in f.tensors:
                     if t.name not in received:
-                        _assemble(t, state, metas, rank, group, comm_device)
+                        _assemble(t, held, metas, rank, group, comm_device)
         if use_async and torch.cuda.is_available():
             torch.cuda.synchronize()  # the non_blocking device-to-host copies must land before the writer reads them
     finally:
@@ -137,14 +139,15 @@ def write_sharded(
         kinds = set()
         for m in metas:
             for info in m["tensors"].values():
-                spec = ShardSpec.from_dict(info["spec"])
-                if not spec.is_full:
-                    kinds.add("flat" if spec.flat_range is not None else "block")
-        pieces = [len(t.sources) for f in files for t in f.tensors]
+                for spec_dict in info["specs"]:
+                    spec = ShardSpec.from_dict(spec_dict)
+                    if not spec.is_full:
+                        kinds.add("flat" if spec.flat_range is not None else "block")
+        counts = [len(t.sources) for f in files for t in f.tensors]
         txn.layout[join(subdir, prefix)] = {
-            "tensors": len(pieces),
-            "sharded_tensors": sum(p > 1 for p in pieces),
-            "pieces": sum(pieces),
+            "tensors": len(counts),
+            "sharded_tensors": sum(p > 1 for p in counts),
+            "pieces": sum(counts),
             "piece_kinds": sorted(kinds),
             "files_per_rank": [sum(f.owner == r for f in files) for r in range(world)],
         }
@@ -159,17 +162,18 @@ def write_sharded(
         txn.record(join(subdir, index_name), write_json(txn.path(join(subdir, index_name)), index))
 
 
-def _assemble(t, state, metas, rank, group, comm_device, raw: bool = False) -> torch.Tensor:
-    """The full tensor ``t`` on the CPU in its stored dtype (``raw``: a local whole tensor as it is)."""
+def _assemble(t, held, metas, rank, group, comm_device, raw: bool = False) -> torch.Tensor:
+    """The full tensor ``t`` on the CPU in its stored dtype (``raw``: a local whole tensor as it is); ``held`` is
+    this rank's pieces, name -> spec -> tensor."""
     if len(t.sources) == 1 and t.sources[0][0] == rank and t.sources[0][1].is_full:
-        local = state[t.name].tensor.detach()
+        local = held[t.name][t.sources[0][1]].detach()
         return local if raw else local.to(device="cpu", dtype=t.dtype)
     out = torch.empty(t.global_shape, dtype=t.dtype)
     for src, spec in t.sources:
         if not spec.numel:
             continue
         if src == rank:
-            piece = state[t.name].tensor.detach()
+            piece = held[t.name][spec].detach()
         else:
             dtype = dtype_from_name(metas[src]["tensors"][t.name]["dtype"])
             piece = torch.empty(spec.local_shape, dtype=dtype, device=comm_device)

@@ -4,7 +4,8 @@
 A sharded object describes its state as this rank's pieces of global tensors, by name (see ``ShardSpec``):
 ``sharded_state_dict()`` returns ``{name: LocalShard}`` and ``load_sharded_state_dict(read)`` asks
 ``read(name, spec, dtype)`` for exactly the pieces the current layout needs, so any layout loads what any other
-wrote. Optimizers add their param groups' hyperparameters as JSON-able dicts whose ``params`` are parameter names.
+wrote. A rank holding several disjoint pieces of one tensor (a fused projection's row blocks) gives that name a
+list of ``LocalShard``s. Optimizers add their param groups' hyperparameters as JSON-able dicts whose ``params`` are parameter names.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ Read = Callable[[str, ShardSpec, torch.dtype], torch.Tensor]
 class ShardedState(Protocol):
     """An object whose state is pieces of named global tensors (see [Note: state protocol])."""
 
-    def sharded_state_dict(self) -> dict[str, LocalShard]: ...
+    def sharded_state_dict(self) -> dict[str, LocalShard | list[LocalShard]]: ...
 
     def load_sharded_state_dict(self, read: Read) -> None: ...
 

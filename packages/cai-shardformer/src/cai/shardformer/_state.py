@@ -3,7 +3,8 @@ is reported under its Hugging Face name as this rank's block of the global tenso
 unsharded Hugging Face layout and any layout can read it back.
 
 Vocabulary padding is outside every block (see [Note: vocabulary padding]); replicated kv heads report the same
-block on each replica, which a writer keeps once.
+block on each replica, which a writer keeps once. A fused projection whose rank holds several separate row blocks
+(GPT-2's `c_attn`: its heads of q, of k and of v) reports them as a list of pieces under its one name.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from cai.shardformer._linear import ParallelModule
 
 
 def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, ShardSpec]]:
-    """(name, local tensor, the view of it that the spec describes, spec) for every state-dict entry."""
+    """(name, local tensor, the view of it that the spec describes, spec) for every block of every state-dict
+    entry: one per entry, except a fused projection's, which gives one per piece (see [Note: pieces])."""
     keys = set(model.state_dict(keep_vars=True))
     # A parameter tied to a parallel layer's (BERT's `cls.predictions.bias` is its decoder's bias) is a shard
     # under every name: each name is reported through the layer that owns it.
@@ -40,24 +42,22 @@ def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor
             if dim is None:
                 yield key, local, local, ShardSpec.full(local.shape)
                 continue
-            pieces = module.pieces(pname, dist.get_rank(module.process_group))
-            if len(pieces) != 1:
-                raise NotImplementedError(
-                    f"{key}: a {type(module).__name__} with {len(pieces)} pieces per rank (a fused projection) "
-                    f"cannot be reported as one block yet; shard the projections separately"
-                )
-            (p,) = pieces
             shape = list(local.shape)
             shape[dim] = module.full_size(pname)
-            offsets = [p.global_ if d == dim else 0 for d in range(local.dim())]
-            block = [p.length if d == dim else s for d, s in enumerate(local.shape)]
-            spec = ShardSpec(global_shape=tuple(shape), offsets=tuple(offsets), block_shape=tuple(block))
-            yield key, local, local.narrow(dim, p.local, p.length), spec
+            for p in module.pieces(pname, dist.get_rank(module.process_group)):
+                offsets = [p.global_ if d == dim else 0 for d in range(local.dim())]
+                block = [p.length if d == dim else s for d, s in enumerate(local.shape)]
+                spec = ShardSpec(global_shape=tuple(shape), offsets=tuple(offsets), block_shape=tuple(block))
+                yield key, local, local.narrow(dim, p.local, p.length), spec
 
 
-def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
-    """Name -> (this rank's block, its ShardSpec) for every parameter and persistent buffer of `model`."""
-    return {key: LocalShard(view.detach(), spec) for key, _, view, spec in _entries(model)}
+def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard | list[LocalShard]]:
+    """Name -> (this rank's block, its ShardSpec) for every parameter and persistent buffer of `model`; a list of
+    blocks for a fused projection that holds several on this rank (cai-ckpt writes each where it belongs)."""
+    out: dict[str, list[LocalShard]] = {}
+    for key, _, view, spec in _entries(model):
+        out.setdefault(key, []).append(LocalShard(view.detach(), spec))
+    return {key: shards[0] if len(shards) == 1 else shards for key, shards in out.items()}
 
 
 def load_sharded_state_dict(
@@ -97,7 +97,17 @@ _Tp = dict[str, tuple[torch.Tensor, torch.Tensor, ShardSpec]]  # name -> (local 
 
 
 def _tp_entries(model: nn.Module) -> _Tp:
-    return {key: (local, view, spec) for key, local, view, spec in _entries(model)}
+    out: _Tp = {}
+    for key, local, view, spec in _entries(model):
+        if key in out:
+            # Several row blocks of one tensor on a rank: a flat range of the local tensor crosses them.
+            raise NotImplementedError(
+                f"{key}: a fused projection holds several row blocks of the global tensor on each tp rank, so a "
+                "flat optimizer shard of it is not one range of the checkpoint tensor; tp x ZeRO checkpoints "
+                "need separate projections (or save with zero_stage=0)"
+            )
+        out[key] = (local, view, spec)
+    return out
 
 
 def _block_range(spec: ShardSpec, start: int, stop: int) -> ShardSpec:
