@@ -55,10 +55,12 @@ def _pieces(model: nn.Module, group: dist.ProcessGroup | None) -> list[torch.Ten
         )
     params = list(model.parameters())
     entries = []
-    for name, (tensor, spec) in sorted(model.sharded_state_dict().items()):
-        p = _owner(params, tensor)
-        if p is not None:  # a buffer is no parameter
-            entries.append(((name, spec.offsets, spec.block_shape, spec.flat_range), p, tensor))
+    for name, value in sorted(model.sharded_state_dict().items()):
+        # A fused projection reports several pieces of one tensor (a list); each is counted on its own.
+        for tensor, spec in value if isinstance(value, list) else [value]:
+            p = _owner(params, tensor)
+            if p is not None:  # a buffer is no parameter
+                entries.append(((name, spec.offsets, spec.block_shape, spec.flat_range), p, tensor))
     keys = [k for k, _, _ in entries]
     cached = getattr(model, "_cai_clip_owned", None)
     if cached is None or cached[0] != keys:
