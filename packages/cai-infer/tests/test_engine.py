@@ -47,8 +47,8 @@ def test_config_defaults_dtypes_and_errors():
 
 
 def test_features_not_built_are_refused_by_name(make_model):
-    with pytest.raises(NotImplementedError, match="tp_size=2, which cai-infer does not build yet"):
-        InferenceEngine(make_model(), None, InferenceConfig(tp_size=2, dtype="fp32"))
+    with pytest.raises(NotImplementedError, match="pp_size=2, which cai-infer does not build yet"):
+        InferenceEngine(make_model(), None, InferenceConfig(pp_size=2, dtype="fp32"))
 
 
 def test_requests_that_can_never_fit_are_refused(make_model, engines):

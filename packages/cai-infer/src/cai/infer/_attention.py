@@ -125,6 +125,12 @@ def _hf_paged_attention(
         )
     layer = module.layer_idx
     k_cache, v_cache = cai_paged.cache.k[layer], cai_paged.cache.v[layer]
+    if key.shape[1] != k_cache.shape[1]:
+        raise RuntimeError(
+            f"layer {layer} computes {key.shape[1]} kv heads but the paged cache holds {k_cache.shape[1]} per "
+            "token; the cache is sized from the model's config (divided by tp_size when sharded), so this model's "
+            "attention splits its kv heads in a way the engine does not know"
+        )
     k_cache[cai_paged.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)  # (T, nkv, hd)
     v_cache[cai_paged.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
     out = paged_attention(

@@ -58,7 +58,10 @@ class InferenceConfig:
     ``use_spec_dec=True`` decodes speculatively from the start with prompt-lookup drafts of up to
     ``max_n_spec_tokens`` tokens (``InferenceEngine.enable_spec_dec`` takes a draft model).
 
-    Colossal-AI fields for features this engine does not build yet (``tp_size``/``pp_size`` > 1,
+    ``tp_size > 1`` shards the model over the default process group, which must hold ``tp_size`` ranks, each
+    running its own engine on the same requests (see _parallel.py [Note: tensor-parallel engine]).
+
+    Colossal-AI fields for features this engine does not build yet (``pp_size`` > 1,
     ``use_cuda_graph``, ``use_cuda_kernel``, ``kv_cache_dtype``, ``beam_width`` > 1,
     ``enable_streamingllm``, ``no_repeat_ngram_size``, ``forced_eos_token_id``, ``prompt_template``) are accepted
     here and refused by ``InferenceEngine`` with an error that names them.
@@ -177,7 +180,6 @@ class InferenceConfig:
             "no_repeat_ngram_size",
             "forced_eos_token_id",
             "glimpse_large_kv",
-            "tp_size",
             "pp_size",
             "use_cuda_kernel",
             "use_cuda_graph",

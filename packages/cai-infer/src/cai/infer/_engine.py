@@ -12,6 +12,7 @@ from torch import nn
 
 from ._blocks import BlockManager
 from ._config import InferenceConfig
+from ._parallel import shard_for_inference, shared_seed
 from ._runner import ModelRunner, kv_cache_for
 from ._sampling import SamplingParams, apply_penalties_and_masks, logprobs_of, sample
 from ._scheduler import Scheduler, Sequence, SequenceStatus
@@ -83,11 +84,18 @@ class InferenceEngine:
             model = model_or_path.to(config.dtype)
         else:
             raise TypeError(f"model_or_path is a {type(model_or_path).__name__}; pass an nn.Module or a path")
+        self._tp_group = None
+        if config.tp_size > 1:  # see _parallel.py [Note: tensor-parallel engine]
+            model, self._tp_group = shard_for_inference(model, config.tp_size)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
         self.cache = kv_cache_for(
-            model, num_blocks=config.total_blocks, block_size=config.block_size, dtype=config.dtype
+            model,
+            num_blocks=config.total_blocks,
+            block_size=config.block_size,
+            dtype=config.dtype,
+            tp_size=config.tp_size,
         )
         self.blocks = BlockManager(
             config.total_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -255,7 +263,7 @@ class InferenceEngine:
             )
         generator = None
         if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
+            seed = params.seed if params.seed is not None else shared_seed(self._tp_group, self.runner.device)
             generator = torch.Generator(self.runner.device).manual_seed(seed)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos))
         return Sequence(rid, arrival, tokens, params, max_new, frozenset(stop), generator)

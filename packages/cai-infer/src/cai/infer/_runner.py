@@ -6,11 +6,15 @@ import torch
 from torch import nn
 
 from ._attention import ATTENTION_NAME, PagedBatch, PagedKVCache
+from ._parallel import local_kv_heads
 from ._scheduler import ScheduledBatch
 
 
-def kv_cache_for(model: nn.Module, *, num_blocks: int, block_size: int, dtype: torch.dtype) -> PagedKVCache:
-    """A paged cache shaped for ``model``'s decoder layers (its text config's layers, kv heads and head dim)."""
+def kv_cache_for(
+    model: nn.Module, *, num_blocks: int, block_size: int, dtype: torch.dtype, tp_size: int = 1
+) -> PagedKVCache:
+    """A paged cache shaped for ``model``'s decoder layers (its text config's layers, kv heads and head dim); with
+    ``tp_size > 1`` the model is sharded and the cache holds this rank's kv heads."""
     cfg = model.config.get_text_config()
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -19,7 +23,7 @@ def kv_cache_for(model: nn.Module, *, num_blocks: int, block_size: int, dtype: t
         num_layers=cfg.num_hidden_layers,
         num_blocks=num_blocks,
         block_size=block_size,
-        num_kv_heads=kv_heads,
+        num_kv_heads=local_kv_heads(kv_heads, tp_size),
         head_dim=head_dim,
         dtype=dtype,
         device=next(model.parameters()).device,
