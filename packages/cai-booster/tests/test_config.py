@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from cai.booster import Booster, LossScalerConfig, MixedPrecision, mixed_precision_factory
-from cai.booster.plugin import PLUGINS, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+from cai.booster.plugin import (
+    PLUGINS,
+    LowLevelZeroConfig,
+    LowLevelZeroPlugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)
+from cai.zero import ZeroConfig
 
 
 def raises(match: str):
@@ -47,6 +54,13 @@ def test_cuda_without_cuda() -> None:
 def test_low_level_zero_arguments() -> None:
     with raises("stage=3 is not supported; use 1 or 2 (stage 3 is cai-gemini)"):
         LowLevelZeroPlugin(stage=3)
+    # cai-zero's stage 0 (no sharding) is the hybrid parallel plugin's; Colossal-AI's LowLevelZeroPlugin takes 1 or 2
+    with raises(
+        "LowLevelZeroPlugin: stage=0 is invalid: LowLevelZeroConfig: zero.stage=0 is not supported; use 1 or 2"
+    ):
+        LowLevelZeroPlugin(stage=0)
+    with raises("LowLevelZeroConfig: zero.stage=0 is not supported; use 1 or 2"):
+        LowLevelZeroConfig(zero=ZeroConfig(stage=0))
     with raises("norm_type=1.0 is not supported; use norm_type=2.0"):
         LowLevelZeroPlugin(norm_type=1.0)
     with raises("fp8_communication=True, use_fp8=False are not supported"):

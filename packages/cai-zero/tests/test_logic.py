@@ -17,6 +17,7 @@ from cai.zero import LossScaleConfig, LowLevelZeroOptimizer, ZeroConfig, ZeroOpt
     ("kwargs", "message"),
     [
         (dict(stage=3), "stage=3"),
+        (dict(stage=-1), "stage=-1 is not supported; use 0 "),
         (dict(bucket_size_mb=0), "bucket_size_mb=0"),
         (dict(comm_dtype=torch.int8), "comm_dtype"),
         (dict(max_norm=-1.0), "max_norm=-1.0"),
@@ -145,6 +146,86 @@ def test_construction_errors_name_the_problem() -> None:
             model=list(model.named_parameters()),
             config=ZeroConfig(overlap_allgather=True),
         )
+
+
+def test_replicas_and_shared_must_name_parameters() -> None:
+    model = _mlp()
+    model[4].bias.requires_grad_(False)
+
+    def build(**kwargs) -> ZeroOptimizer:
+        m = _mlp()
+        return ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), model=m, **kwargs)
+
+    with pytest.raises(ValueError, match=re.escape("replicas names ['1.weight', 'head']")):
+        build(replicas={"0.weight": 2, "head": 2, "1.weight": 2})
+    with pytest.raises(ValueError, match=re.escape("replicas {'0.bias': 0, '2.bias': 1.5}: each count")):
+        build(replicas={"0.weight": 2, "0.bias": 0, "2.bias": 1.5})
+    with pytest.raises(ValueError, match=re.escape("shared names ['embed']")):
+        build(shared={"0.weight": None, "embed": None})
+    # a frozen parameter has no gradient to sum: its peers would wait for this rank's
+    with pytest.raises(ValueError, match=re.escape("shared names ['4.bias'], which are not trainable")):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, shared={"4.bias": None})
+    # but a frozen one may be replicated (a plugin names every layer norm, also under LoRA)
+    ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, replicas={"4.bias": 2})
+    from cai.kernels.optim import CPUAdam
+
+    config = ZeroConfig(cpu_offload=True, overlap_cpu_step=True)
+    with pytest.raises(
+        ValueError, match=re.escape("shared parameters ['0.weight'] need overlap_cpu_step=False")
+    ):
+        ZeroOptimizer(CPUAdam(model.parameters()), model=model, config=config, shared={"0.weight": None})
+
+
+def test_a_shared_parameter_gets_a_bucket_of_its_own_and_is_summed_once_per_step() -> None:
+    plain = _mlp()
+    opt = ZeroOptimizer(torch.optim.AdamW(plain.parameters()), model=plain, config=ZeroConfig(stage=1))
+    assert len(opt.buckets) == 1
+    model = _mlp()
+    # one process: no group to sum over (None), so the sum is the identity and only the bookkeeping is checked
+    opt = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        model=model,
+        config=ZeroConfig(stage=1),
+        shared={"2.weight": None},
+    )
+    assert [[s.name for s in b.slots] for b in opt.buckets] == [
+        ["4.bias", "4.weight", "2.bias"],
+        ["2.weight"],
+        ["0.bias", "0.weight"],
+    ]
+    x = torch.randn(4, 8)
+    opt.backward(model(x).sum())
+    opt.grad_norm()
+    with pytest.raises(RuntimeError, match=re.escape("after grad_norm()/clip_grad_norm() summed it")):
+        opt.backward(model(x).sum())  # would add to a gradient already summed over its group
+    opt.zero_grad()
+    opt.backward(model(x).sum())  # a new window
+    opt.step()
+
+
+def test_stage0_in_one_process_matches_torch_and_reports_whole_parameters() -> None:
+    from cai.mesh import ShardSpec
+
+    model, ref = _mlp(), _mlp()
+    opt = _zero(model, stage=0)
+    assert len(opt.buckets) > 1 and all(b.replicated and (b.lo, b.hi) == (0, b.padded) for b in opt.buckets)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    assert _train(model, opt, range(3)) == _train(ref, ropt, range(3))
+    masters = opt.model_sharded_state_dict()
+    state = opt.sharded_state_dict()
+    for name, p in ref.named_parameters():
+        assert masters[name].spec == ShardSpec.full(p.shape) and torch.equal(masters[name].tensor, p), name
+        exp_avg = state[f"{name}.exp_avg"]
+        assert exp_avg.spec == ShardSpec.full(p.shape), name
+        assert torch.equal(exp_avg.tensor, ropt.state[p]["exp_avg"]), name
+    full = {n: t.tensor.clone() for n, t in {**masters, **state}.items()}
+
+    model2 = _mlp()
+    opt2 = _zero(model2, stage=0)
+    read = lambda name, spec, dtype: spec.cut(full[name]).to(dtype)  # noqa: E731
+    opt2.load_model_sharded_state_dict(read)
+    opt2.load_sharded_state_dict(read)
+    assert _train(model2, opt2, range(3, 5)) == _train(ref, ropt, range(3, 5))
 
 
 def test_low_level_zero_optimizer_maps_colossal_names() -> None:

@@ -7,11 +7,16 @@ back to back, followed by zeros so that its length is ``shard * world_size``. Ra
 that range. A parameter may straddle several ranks' ranges; its piece on rank r is the intersection, which is
 what ``ShardSpec(flat_range=...)`` describes (``cai.mesh.flat_pieces``). Padding lives only at the bucket's end, is always zero in the
 working buffer and gradients, and therefore stays zero in every elementwise optimizer's state: it never leaks out.
+Stage 0 plans every bucket as if the group had one rank (``world_size=1``: ``lo = 0``, ``hi = padded``), so each
+rank's master, state and gradient shard is the whole bucket, the same on every rank (``replicated``).
+A parameter named in ``alone`` (a ``shared`` parameter) gets a bucket of its own: its shard then depends only on its
+own size and the group size, so two ranks holding copies of it in different models own the same range of it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +45,7 @@ class Bucket:
     shard: int  # elements per rank
     world_size: int
     rank: int
+    replicated: bool = False  # stage 0: every rank of the group holds the whole bucket (world_size is 1)
     working: torch.Tensor | None = None  # (shard * world_size,) working dtype; params are views of it
     master: torch.Tensor | None = None  # (shard,) fp32, on the host with cpu_offload
     grad: torch.Tensor | None = None  # (shard * world_size,) comm dtype, alive while gradients accumulate
@@ -64,12 +70,19 @@ class Bucket:
 
 
 def plan_buckets(
-    groups: list[list[tuple[str, torch.nn.Parameter]]], *, bucket_numel, world_size: int, rank: int
+    groups: list[list[tuple[str, torch.nn.Parameter]]],
+    *,
+    bucket_numel,
+    world_size: int,
+    rank: int,
+    replicated: bool = False,
+    alone: Collection[str] = (),
 ) -> list[Bucket]:
     """Split trainable parameters into buckets in reverse order (the order backward produces gradients).
 
-    ``bucket_numel(dtype)`` gives the target size; a parameter larger than it gets a bucket of its own. Buckets
-    never mix param groups or dtypes, so each master shard has one set of hyperparameters.
+    ``bucket_numel(dtype)`` gives the target size; a parameter larger than it, or named in ``alone``, gets a
+    bucket of its own. Buckets never mix param groups or dtypes, so each master shard has one set of
+    hyperparameters. ``replicated``: stage 0 (pass ``world_size=1, rank=0``; see [Note: bucket layout]).
     """
     order: list[tuple[int, str, torch.nn.Parameter]] = [
         (g, name, p) for g, named in enumerate(groups) for name, p in named
@@ -96,6 +109,7 @@ def plan_buckets(
                 shard=shard,
                 world_size=world_size,
                 rank=rank,
+                replicated=replicated,
             )
         )
         current.clear()
@@ -103,7 +117,11 @@ def plan_buckets(
     size = 0
     for g, name, p in reversed(order):
         if current and (
-            current[-1][0] != g or current[-1][2].dtype != p.dtype or size + p.numel() > bucket_numel(p.dtype)
+            current[-1][0] != g
+            or current[-1][2].dtype != p.dtype
+            or size + p.numel() > bucket_numel(p.dtype)
+            or name in alone
+            or current[-1][1] in alone
         ):
             close()
             size = 0

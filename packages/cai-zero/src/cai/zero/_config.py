@@ -19,7 +19,10 @@ class ZeroConfig:
 
     Args:
         stage: 1 shards fp32 master weights and optimizer state (gradients are all-reduced, each rank keeps its
-            slice); 2 also shards gradients (reduce-scatter). Default 2.
+            slice); 2 also shards gradients (reduce-scatter). 0 shards nothing: data parallel with fp32 master
+            weights, gradients all-reduced as in stage 1 but every rank keeps and steps whole buckets, then copies
+            the masters into the working parameters (no all-gather); for hybrid tensor x pipeline x data parallel
+            plugins, where the other axes already divide the model. Default 2.
         bucket_size_mb: size of one flat gradient bucket in MiB of ``comm_dtype``; one collective per bucket.
         comm_dtype: dtype gradients are reduced in; None uses the working parameters' dtype. ``torch.float32``
             gives an fp32 reduction of low-precision gradients (more traffic, no rounding in the sum).
@@ -46,9 +49,12 @@ class ZeroConfig:
     overlap_cpu_step: bool = False
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2):
+        if self.stage == 3:  # who asks for stage 3 wants more sharding, not stage 0
+            raise ValueError("ZeroConfig: stage=3 is not supported; use 1 or 2 (stage 3 is cai-gemini)")
+        if self.stage not in (0, 1, 2):
             raise ValueError(
-                f"ZeroConfig: stage={self.stage!r} is not supported; use 1 or 2 (stage 3 is cai-gemini)"
+                f"ZeroConfig: stage={self.stage!r} is not supported; use 0 (no sharding), 1 (optimizer state and "
+                "master weights) or 2 (also gradients)"
             )
         if not self.bucket_size_mb > 0:
             raise ValueError(

@@ -1,10 +1,11 @@
-"""ZeroOptimizer: ZeRO-1/2 around any torch optimizer, over one data-parallel process group."""
+"""ZeroOptimizer: ZeRO-1/2 (or stage 0, unsharded) around any torch optimizer, over one data-parallel group."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from cai.mesh import (
     LocalShard,
     Read,
     all_gather_into_tensor,
+    flat_pieces,
     load_param_groups_state,
     param_groups_state,
     reduce_scatter_tensor,
@@ -32,6 +34,8 @@ _CAST_WINDOW_BYTES = 1 << 30  # fp32 gradient copies alive at once in a step wit
 
 NamedParams = nn.Module | Iterable[tuple[str, nn.Parameter]]
 
+_NONE: Mapping[str, Any] = MappingProxyType({})  # the default of ``replicas`` and ``shared``
+
 
 def _named_parameters(model: NamedParams) -> dict[int, str]:
     items = model.named_parameters() if isinstance(model, nn.Module) else model
@@ -39,7 +43,8 @@ def _named_parameters(model: NamedParams) -> dict[int, str]:
 
 
 class ZeroOptimizer:
-    """Shard a torch optimizer's state and fp32 master weights (stage 1) and gradients (stage 2) over a group.
+    """Shard a torch optimizer's state and fp32 master weights (stage 1) and gradients (stage 2) over a group,
+    or keep them whole on every rank with fp32 masters and bucketed all-reduces (stage 0).
 
     Args:
         optimizer: any elementwise torch optimizer (AdamW, Adam, SGD, ``cai.kernels.optim`` ones) built on the
@@ -52,6 +57,13 @@ class ZeroOptimizer:
             for bf16 and fp32, which are never scaled.
         group: data-parallel process group (default: the world; a single process without torch.distributed).
         norm_groups: extra process groups the gradient norm is summed over (tensor/pipeline parallel).
+        replicas: parameter name -> k, the number of ranks across ``norm_groups`` and ``extra_groups`` that hold an
+            identical gradient of it (a layer norm weight replicated over a tensor-parallel group of size t: k = t;
+            a tied embedding on two pipeline stages: k = 2; both: the product). The gradient norm counts its
+            squared norm divided by k on each rank, so the global norm counts it once. Default: none.
+        shared: parameter name -> process group of ranks that each hold a copy of it which must take the same step
+            (a tied input embedding and LM head on the first and last pipeline stage). Its gradient shard is
+            summed over that group once per step (see [Note: shared parameters]). Default: none.
 
     Example::
 
@@ -88,11 +100,16 @@ class ZeroOptimizer:
         loss_scale: LossScaleConfig | None = None,
         group: dist.ProcessGroup | None = None,
         norm_groups: Iterable[dist.ProcessGroup] = (),
+        replicas: Mapping[str, int] = _NONE,
+        shared: Mapping[str, dist.ProcessGroup] = _NONE,
     ) -> None:
         self.optim = optimizer
         self.config = config = config or ZeroConfig()
         self.group = group
         self.norm_groups = tuple(norm_groups)
+        # the groups whose ranks hold disjoint gradient shards (their squared norms add up); not at stage 0, where
+        # every rank of the group holds the same whole gradients
+        self._shard_groups: tuple = () if config.stage == 0 else (group,)
         if dist.is_available() and dist.is_initialized():
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         else:
@@ -101,6 +118,14 @@ class ZeroOptimizer:
             raise ValueError("ZeroOptimizer: the optimizer already has state; wrap it before its first step")
 
         names = _named_parameters(model)
+        unknown = sorted(set(replicas) - set(names.values()))
+        if unknown:
+            raise ValueError(
+                f"ZeroOptimizer: replicas names {unknown}, which are not parameters of the model"
+            )
+        bad = {n: k for n, k in replicas.items() if not isinstance(k, int) or isinstance(k, bool) or k < 1}
+        if bad:
+            raise ValueError(f"ZeroOptimizer: replicas {bad}: each count must be an int >= 1")
         groups: list[list[tuple[str, nn.Parameter]]] = []
         self._group_names: list[list[str]] = []
         for gi, pg in enumerate(optimizer.param_groups):
@@ -118,6 +143,17 @@ class ZeroOptimizer:
         trainable = [p for named in groups for _, p in named]
         if not trainable:
             raise ValueError("ZeroOptimizer: the optimizer has no parameter with requires_grad=True")
+        unknown = sorted(set(shared) - {n for named in self._group_names for n in named})
+        if unknown:
+            # a shared parameter this rank does not step would leave its group's other ranks waiting for its sum
+            raise ValueError(
+                f"ZeroOptimizer: shared names {unknown}, which are not trainable parameters of the optimizer"
+            )
+        if shared and config.overlap_cpu_step:
+            raise ValueError(
+                f"ZeroOptimizer: shared parameters {sorted(shared)} need overlap_cpu_step=False: the overlapped CPU "
+                "step runs during backward, before their gradients are summed over their groups"
+            )
         self.device = trainable[0].device
         dtypes = {p.dtype for p in trainable}
         if any(p.device != self.device for p in trainable):
@@ -139,8 +175,15 @@ class ZeroOptimizer:
             else None
         )
 
+        # stage 0 plans every bucket as if the group had one rank (see [Note: bucket layout])
+        whole = config.stage == 0
         self.buckets = plan_buckets(
-            groups, bucket_numel=config.bucket_numel, world_size=self.world_size, rank=self.rank
+            groups,
+            bucket_numel=config.bucket_numel,
+            world_size=1 if whole else self.world_size,
+            rank=0 if whole else self.rank,
+            replicated=whole,
+            alone=set(shared),
         )
         for b in self.buckets:
             self._materialize(b)
@@ -148,6 +191,15 @@ class ZeroOptimizer:
             pg["params"] = [b.master for b in self.buckets if b.group_index == gi]
         optimizer.state.clear()
         self._slots = {s.name: (b, s) for b in self.buckets for s in b.slots}
+        # [lo, hi)-pieces of replicated gradients and their weight 1/k: the correction grad_norm applies
+        self._replicated = [
+            (b, pc.start, pc.stop, 1.0 / replicas[pc.entry.name])
+            for b in self.buckets
+            for pc in flat_pieces(b.slots, b.lo, b.hi)
+            if replicas.get(pc.entry.name, 1) > 1
+        ]
+        self._shared = [(self._slots[n][0], g) for n, g in shared.items()]  # in the caller's order
+        self._shared_summed = False  # the shared gradients of this step window have been summed
         self._frozen = {
             n: p
             for n, p in (model.named_parameters() if isinstance(model, nn.Module) else [])
@@ -303,7 +355,8 @@ class ZeroOptimizer:
                     reduce_scatter_tensor(out, grad, group=self.group)
                 else:
                     dist.all_reduce(grad, group=self.group)
-                    out = grad[b.lo : b.hi]
+                    # stage 0 keeps the whole reduced bucket, stage 1 its own slice
+                    out = grad if b.replicated else grad[b.lo : b.hi]
             else:
                 out = grad
             self._add_master_grad(b, out, owned=out is grad or self.config.stage == 2)
@@ -313,6 +366,12 @@ class ZeroOptimizer:
 
     def _add_master_grad(self, b: Bucket, shard: torch.Tensor, *, owned: bool = True) -> None:
         """Add one reduction's gradient shard; ``owned``: nothing else uses ``shard``'s memory (not a view)."""
+        if self._shared_summed and any(sb is b for sb, _ in self._shared):
+            raise RuntimeError(
+                f"ZeroOptimizer: a backward reduced the gradient of shared parameter {b.slots[0].name!r} after "
+                "grad_norm()/clip_grad_norm() summed it over its group in this step; call step() or zero_grad() "
+                "before the next backward"
+            )
         inv = 1.0 / self.scaler.scale if self.scaler else 1.0
         if self._host is not None:
             self._host.land(b, shard, inv)
@@ -339,14 +398,40 @@ class ZeroOptimizer:
         if self._host is not None:
             for b in self.buckets:
                 self._host.settle(b)
+        if not self._shared_summed:
+            self._sum_shared()
+            self._shared_summed = True
+
+    # [Note: shared parameters]
+    # A parameter in ``shared`` has a copy on other ranks (a tied embedding on the first and last pipeline stage),
+    # each receiving part of its gradient; both copies must take the step of the summed gradient. Each copy has a
+    # bucket of its own, so with the same data-parallel size its shard, [lo, hi) and padding are the same on every
+    # rank of its group, and the shards can be summed elementwise. The sum runs once per step window, in
+    # _finish_window: after the data-parallel reduction of every bucket (no_sync accumulation included) and before
+    # the overflow check, clipping and the update, whichever of grad_norm / clip_grad_norm / step comes first
+    # (``_shared_summed`` keeps it from running twice; step() and zero_grad() end the window). It sums in fp32:
+    # the ranks' shards may be in different dtypes (one reduction stays in the working dtype, two sum in fp32) and
+    # fp32 keeps the sum of the copies exact to rounding. A rank that got no gradient for its copy contributes the
+    # zeros its reduction produced, and the sums run in the order of the caller's ``shared`` mapping: every rank
+    # of a group must pass its shared parameters in the same order (their names may differ between stages).
+    def _sum_shared(self) -> None:
+        for b, group in self._shared:
+            g = b.grad_shard
+            if g is None:
+                g = torch.zeros(b.shard, dtype=torch.float32, device=self._master_device)
+            # on the device, where NCCL sums (host shards of cpu_offload travel there and back)
+            total = g.to(self.device, torch.float32)
+            if dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(total, group=group)
+            b.grad_shard = total.to(self._master_device)
 
     def _gather(self, b: Bucket, *, async_op: bool) -> None:
         """All-gather the updated master shard into the bucket's working buffer (the parameters' storage)."""
-        if self.world_size == 1 and self._host is None:
+        if b.world_size == 1 and self._host is None:  # one rank, or stage 0: the master is the whole bucket
             b.working.copy_(b.master)
             return
         shard = self._host.device_shard(b) if self._host is not None else b.master.to(dtype=b.dtype)
-        if self.world_size == 1:
+        if b.world_size == 1:
             b.working.copy_(shard)
             return
         work = all_gather_into_tensor(b.working, shard, group=self.group, async_op=async_op)
@@ -387,23 +472,33 @@ class ZeroOptimizer:
         for b in self.buckets:
             if b.grad_shard is not None:
                 flags[b.group_index] += (~torch.isfinite(b.grad_shard)).any().float()
+        # over the data-parallel group at stage 0 too: a MAX of equal flags, but it guarantees one decision
         flags = self._all_reduce_scalar(flags, dist.ReduceOp.MAX, (self.group, *self.norm_groups))
         return [i for i, f in enumerate(flags.tolist()) if f > 0]
 
     def grad_norm(self, extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:
-        """Global L2 norm of the (unscaled) gradients over the data-parallel group and ``extra_groups``."""
+        """Global L2 norm of the (unscaled) gradients over the data-parallel group, ``norm_groups`` and
+        ``extra_groups``; a parameter in ``replicas`` counts once however many of those ranks hold it."""
         self._finish_window()
         sq = torch.zeros((), dtype=torch.float32, device=self._master_device)
         for g in self._master_grads():
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-        groups = (self.group, *self.norm_groups, *extra_groups)
+        # One norm per shard above, then the pieces of replicated parameters corrected from weight 1 to 1/k. The
+        # result is at least 1/k of what is subtracted from, so the difference costs about k ulps at most.
+        for b, start, stop, weight in self._replicated:
+            if b.grad_shard is not None:
+                piece = torch.linalg.vector_norm(b.grad_shard[start:stop], dtype=torch.float32).square()
+                sq -= (1.0 - weight) * piece
+        # stage 0: every rank of the data-parallel group holds the same whole gradients, summed once
+        groups = (*self._shard_groups, *self.norm_groups, *extra_groups)
         return self._all_reduce_scalar(sq, dist.ReduceOp.SUM, groups).sqrt()
 
     def clip_grad_norm(self, max_norm: float, extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:
         """Scale gradients so that their global L2 norm is at most ``max_norm``; returns the norm before clipping.
 
         The norm covers every rank's shards of the data-parallel group, plus the groups passed at construction
-        (``norm_groups``) and ``extra_groups``, over which partial squared norms are summed.
+        (``norm_groups``) and ``extra_groups``, over which partial squared norms are summed; ``replicas`` says which
+        parameters several of those ranks hold, so that they count once.
         """
         norm = self.grad_norm(extra_groups)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -412,7 +507,8 @@ class ZeroOptimizer:
         return norm
 
     def step(self, closure: None = None) -> None:
-        """Reduce what is pending, skip on fp16 overflow, clip, update the shards and all-gather them."""
+        """Reduce what is pending (and sum shared gradients), skip on fp16 overflow, clip, update the shards and
+        all-gather them (stage 0: copy them into the working parameters)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step: closures are not supported")
         self._wait_gather(self.buckets)
@@ -441,6 +537,7 @@ class ZeroOptimizer:
         for b in self.buckets:
             b.grad_shard = None
             b.reduced_in_window = 0
+        self._shared_summed = False
 
     def _device_step(self) -> None:
         """The wrapped optimizer's step on the master shards. Gradients kept in a lower precision are cast to fp32
@@ -480,6 +577,7 @@ class ZeroOptimizer:
             for s in b.slots:
                 s.param.grad = None
         self._accumulated = False
+        self._shared_summed = False
         self._in_backward = False  # in case a backward raised half-way
         self._next_bucket = 0
 
@@ -522,9 +620,7 @@ class ZeroOptimizer:
         ``{"state": {name: {key: tensor}}, "param_groups": [...], "loss_scaler": {...} | None}``; a collective call.
         """
         self._wait_gather(self.buckets)
-        state = _state.full_state(
-            self.optim, self.buckets, device=self.device, group=self.group, world_size=self.world_size
-        )
+        state = _state.full_state(self.optim, self.buckets, device=self.device, group=self.group)
         return {
             "state": state,
             "param_groups": self.param_groups_state(),

@@ -3,6 +3,8 @@
 Flat optimizer state (same shape as a bucket's master shard: ``exp_avg``, ``momentum_buffer``...) is reported per
 parameter as the piece this rank holds, ``ShardSpec(global_shape=param.shape, flat_range=...)``; scalar state
 (``step``) is reported whole by every rank for every parameter of the bucket. Keys are ``<param name>.<state key>``.
+A stage 0 (``replicated``) bucket reports every parameter whole (``ShardSpec.full``, shaped like the parameter),
+the same piece on every rank: replicated state, which cai-ckpt stores once.
 These functions see only the buckets and the wrapped optimizer; ``ZeroOptimizer`` orders them with its
 communication (waits for gathers before reading, re-gathers after loading masters).
 """
@@ -14,12 +16,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cai.mesh import LocalShard, Read, ShardSpec, all_gather_into_tensor, flat_pieces
-from cai.zero._bucket import Bucket
+from cai.mesh import FlatPiece, LocalShard, Read, ShardSpec, all_gather_into_tensor, flat_pieces
+from cai.zero._bucket import Bucket, Slot
 
 
 def _is_flat(value: Any, b: Bucket) -> bool:
     return isinstance(value, torch.Tensor) and tuple(value.shape) == (b.shard,)
+
+
+def _spec(b: Bucket, pc: FlatPiece[Slot]) -> ShardSpec:
+    return ShardSpec.full(pc.entry.shape) if b.replicated else pc.spec
+
+
+def _piece(b: Bucket, flat: torch.Tensor, pc: FlatPiece[Slot]) -> LocalShard:
+    """``flat``'s part for ``pc`` (a view): a flat range, or the whole parameter in its shape for stage 0."""
+    t = flat[pc.start : pc.stop]
+    return LocalShard(t.view(pc.entry.shape) if b.replicated else t, _spec(b, pc))
 
 
 def ensure_state(optim: torch.optim.Optimizer, buckets: list[Bucket]) -> None:
@@ -49,7 +61,7 @@ def optimizer_pieces(optim: torch.optim.Optimizer, buckets: list[Bucket]) -> dic
         for key, value in optim.state.get(b.master, {}).items():
             if _is_flat(value, b):
                 for pc in flat_pieces(b.slots, b.lo, b.hi):
-                    out[f"{pc.entry.name}.{key}"] = LocalShard(value[pc.start : pc.stop], pc.spec)
+                    out[f"{pc.entry.name}.{key}"] = _piece(b, value, pc)
             elif isinstance(value, torch.Tensor) and value.numel() == 1:
                 for s in b.slots:
                     out[f"{s.name}.{key}"] = LocalShard(value.detach(), ShardSpec.full(tuple(value.shape)))
@@ -69,7 +81,7 @@ def load_optimizer_pieces(optim: torch.optim.Optimizer, buckets: list[Bucket], r
             if _is_flat(value, b):
                 value.zero_()  # the padding, and any gap, stays zero
                 for pc in flat_pieces(b.slots, b.lo, b.hi):
-                    piece = read(f"{pc.entry.name}.{key}", pc.spec, value.dtype)
+                    piece = read(f"{pc.entry.name}.{key}", _spec(b, pc), value.dtype)
                     value[pc.start : pc.stop].copy_(piece.reshape(-1))
             elif isinstance(value, torch.Tensor):
                 value.copy_(read(f"{b.slots[0].name}.{key}", ShardSpec.full(tuple(value.shape)), value.dtype))
@@ -80,7 +92,7 @@ def master_pieces(buckets: list[Bucket], frozen: dict[str, torch.nn.Parameter]) 
     out = {n: LocalShard(p.detach(), ShardSpec.full(tuple(p.shape))) for n, p in frozen.items()}
     for b in buckets:
         for pc in flat_pieces(b.slots, b.lo, b.hi):
-            out[pc.entry.name] = LocalShard(b.master[pc.start : pc.stop], pc.spec)
+            out[pc.entry.name] = _piece(b, b.master, pc)
     return out
 
 
@@ -92,7 +104,7 @@ def load_master_pieces(buckets: list[Bucket], frozen: dict[str, torch.nn.Paramet
     for b in buckets:
         b.master.zero_()
         for pc in flat_pieces(b.slots, b.lo, b.hi):
-            b.master[pc.start : pc.stop].copy_(read(pc.entry.name, pc.spec, torch.float32).reshape(-1))
+            b.master[pc.start : pc.stop].copy_(read(pc.entry.name, _spec(b, pc), torch.float32).reshape(-1))
 
 
 def full_state(
@@ -101,15 +113,15 @@ def full_state(
     *,
     device: torch.device,
     group: dist.ProcessGroup | None,
-    world_size: int,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Full optimizer state ``{param name: {key: tensor}}`` on the CPU, all-gathered on every rank (collective)."""
+    """Full optimizer state ``{param name: {key: tensor}}`` on the CPU, all-gathered on every rank (collective;
+    none for buckets that are not split, at world size 1 or stage 0)."""
     state: dict[str, dict[str, torch.Tensor]] = {}
     for b in buckets:
         for key, value in optim.state.get(b.master, {}).items():
             if _is_flat(value, b):
                 full = value.to(device)
-                if world_size > 1:
+                if b.world_size > 1:
                     full = torch.empty(b.padded, dtype=value.dtype, device=device)
                     all_gather_into_tensor(full, value.to(device), group=group)
                 full = full.cpu()

@@ -80,6 +80,13 @@ class LowLevelZeroConfig:
                     f"LowLevelZeroConfig: {name}={value!r} is not a cai.zero.{cls.__name__}; pass "
                     f"{name}={cls.__name__}(...)"
                 )
+        # ZeroConfig also takes stage 0 (no sharding), which exists for the hybrid parallel plugin; Colossal-AI's
+        # LowLevelZeroPlugin takes 1 or 2 only.
+        if self.zero.stage not in (1, 2):
+            raise ValueError(
+                f"LowLevelZeroConfig: zero.stage={self.zero.stage!r} is not supported; use 1 or 2 (stage 0, no "
+                "sharding, is for the hybrid parallel plugin)"
+            )
 
 
 class LowLevelZeroPlugin(DPPluginBase):
