@@ -173,8 +173,8 @@ class Booster:
         if not self.plugin.capabilities.pipeline:
             raise ValueError(
                 f"Booster.execute_pipeline: {self.plugin.name} has no pipeline parallelism; plugins that support it: "
-                f"{_names(lambda p: p.PIPELINE)} (HybridParallelPlugin with pp_size > 1 once pipeline parallelism "
-                "lands); with this plugin call model(...) and booster.backward(loss, optimizer)"
+                f"{_names(lambda p: p.PIPELINE)} (with pp_size > 1); with this plugin call model(...) and "
+                "booster.backward(loss, optimizer)"
             )
         return self.plugin.execute_pipeline(
             data_iter, model, criterion, optimizer, return_loss, return_outputs

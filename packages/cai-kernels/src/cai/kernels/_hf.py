@@ -109,24 +109,29 @@ def _patch_rope(model: nn.Module) -> list[str]:
 def defer_lm_head_loss(
     model: nn.Module,
     head: nn.Module,
-    loss: Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor],
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor, int, str], torch.Tensor],
 ) -> None:
     """Compute a Hugging Face causal LM's training loss from the hidden states, never building the logits.
 
     ``head`` is the model's lm_head and has a ``defer`` flag: while it is set, its forward returns its input. For a
     training-mode forward with ``labels``, a hook sets it, the model hands the hidden states to its
     ``loss_function`` in the logits slot, and the wrapper installed here calls
-    ``loss(hidden, shifted_labels, ignore_index, reduction)`` (labels shifted as Hugging Face's ForCausalLMLoss does,
-    tokens < n predicting n; ``num_items_in_batch`` honoured); the output's ``logits`` is then None. In eval mode or
-    without labels everything is unchanged. cai-kernels' fused linear cross-entropy and cai-shardformer's
-    vocab-parallel one both come in this way.
+    ``loss(head, hidden, shifted_labels, ignore_index, reduction)`` (labels shifted as Hugging Face's
+    ForCausalLMLoss does, tokens < n predicting n; ``num_items_in_batch`` honoured); the output's ``logits`` is then
+    None. In eval mode or without labels everything is unchanged. cai-kernels' fused linear cross-entropy and
+    cai-shardformer's vocab-parallel one both come in this way.
+
+    ``head`` is the head of the model that runs: a copy of ``model`` (a pipeline stage is a deep copy that shares
+    or copies modules) shares these hooks, and its own output embeddings are found when its forward starts.
     """
     original = model.loss_function
     signature = inspect.signature(model.forward)
+    running = [head]  # the head of the model whose forward is running (see above)
 
     def loss_function(
         logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw
     ):
+        head = running[0]
         if not head.defer:
             return original(
                 logits=logits, labels=labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
@@ -137,12 +142,14 @@ def defer_lm_head_loss(
         if shift_labels is None:  # tokens < n predict n, as Hugging Face's ForCausalLMLoss
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        out = loss(hidden, shift_labels.to(hidden.device), ignore_index, reduction)
+        out = loss(head, hidden, shift_labels.to(hidden.device), ignore_index, reduction)
         return out / num_items_in_batch if num_items_in_batch is not None else out
 
     def pre_hook(module, args, kwargs):
         labels = signature.bind_partial(*args, **kwargs).arguments.get("labels")
-        head.defer = module.training and labels is not None
+        own = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        running[0] = own if hasattr(own, "defer") else head
+        running[0].defer = module.training and labels is not None
 
     def post_hook(module, args, kwargs, output):
         if not module.training or getattr(output, "logits", None) is None:
@@ -151,7 +158,7 @@ def defer_lm_head_loss(
         if bound.get("labels") is None:
             return output
         # The "logits" slot holds hidden states when the matmul was deferred: drop it rather than mislead.
-        head.defer = False
+        running[0].defer = False
         if isinstance(output, tuple):
             return output
         return type(output)(**{k: v for k, v in output.items() if k != "logits"})
@@ -172,7 +179,7 @@ def _patch_loss(model: nn.Module) -> bool:
     defer_lm_head_loss(
         model,
         head,
-        lambda hidden, labels, ignore_index, reduction: fused_linear_cross_entropy(
+        lambda head, hidden, labels, ignore_index, reduction: fused_linear_cross_entropy(
             hidden, head.weight, labels, bias=head.bias, ignore_index=ignore_index, reduction=reduction
         ),
     )

@@ -74,6 +74,23 @@ class PipelineModel(nn.Module):
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self._tied_group)
 
+    @property
+    def tied_group(self) -> dist.ProcessGroup | None:
+        """The group of the first and last stage over which tied weights' gradients are summed (None when no
+        weight is tied across stages)."""
+        return self._tied_group
+
+    def global_name(self, key: str) -> str:
+        """The full model's name for one of this module's own state-dict keys (``chunks.<c>.module.<name>``): the
+        global block index, and a tied head weight under the embedding's name (the name a checkpoint stores it
+        under). A tensor-parallel state or an optimizer keyed by these names sees every stage as part of one model.
+        """
+        head, chunk, sub, rest = key.split(".", 3)
+        if head != "chunks" or sub != "module":
+            raise KeyError(f"PipelineModel.global_name: {key!r} is not a key of this PipelineModel")
+        stage = self.chunks[int(chunk)]
+        return stage.tied.get(rest) or stage.global_name(rest)
+
     def global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every chunk's parameters under the full model's names, each parameter once (a tied weight shared by two
         chunks of this rank under its first name, the embedding's)."""

@@ -249,7 +249,8 @@ class PipelineStage(nn.Module):
             self.blocks.incoming = None
 
     # ---- the state protocol ---------------------------------------------------------------------------------
-    def _global_name(self, name: str) -> str:
+    def global_name(self, name: str) -> str:
+        """The full model's name of one of this chunk's own parameter or buffer names (the global block index)."""
         prefix = self.layout.layers + "."
         if name.startswith(prefix):
             index, rest = name[len(prefix) :].split(".", 1)
@@ -258,20 +259,20 @@ class PipelineStage(nn.Module):
 
     def global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This stage's parameters under the full model's names (for optimizers' checkpoints and comparisons)."""
-        return [(self._global_name(n), p) for n, p in self.module.named_parameters()]
+        return [(self.global_name(n), p) for n, p in self.module.named_parameters()]
 
     def sharded_state_dict(self) -> dict[str, LocalShard]:
         """Full-model name -> this rank's piece, for what this stage holds (its ``local_state``, renamed); tied head
         weights are left out (the first stage reports them under the embedding's name)."""
         local = self.local_state.save(self.module)
-        return {self._global_name(n): piece for n, piece in local.items() if n not in self.tied}
+        return {self.global_name(n): piece for n, piece in local.items() if n not in self.tied}
 
     def load_sharded_state_dict(self, read: Read) -> None:
         """Fill every tensor from ``read(name, spec, dtype)`` under its full-model name (a tied head weight from the
         embedding's entry)."""
 
         def local_read(name: str, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
-            return read(self.tied.get(name) or self._global_name(name), spec, dtype)
+            return read(self.tied.get(name) or self.global_name(name), spec, dtype)
 
         self.local_state.load(self.module, local_read)
 

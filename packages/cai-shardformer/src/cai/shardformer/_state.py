@@ -18,11 +18,23 @@ from torch import nn
 from cai.mesh import LocalShard, ShardSpec
 from cai.shardformer._linear import ParallelModule
 
+Rename = Callable[[str], str]
 
-def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, ShardSpec]]:
+
+def _same(key: str) -> str:
+    return key
+
+
+def _entries(
+    model: nn.Module, rename: Rename = _same
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, ShardSpec]]:
     """(name, local tensor, the view of it that the spec describes, spec) for every block of every state-dict
-    entry: one per entry, except a fused projection's, which gives one per piece (see [Note: pieces])."""
+    entry: one per entry, except a fused projection's, which gives one per piece (see [Note: pieces]).
+
+    Names are ``rename(state-dict key)``; two keys renamed to one name (a tied weight that a pipeline rank holds in
+    two chunks) are one entry, reported once."""
     keys = set(model.state_dict(keep_vars=True))
+    reported: dict[str, torch.Tensor] = {}
     # A parameter tied to a parallel layer's (BERT's `cls.predictions.bias` is its decoder's bias) is a shard
     # under every name: each name is reported through the layer that owns it.
     owner = {
@@ -37,6 +49,14 @@ def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor
             key = f"{mname}.{name}" if mname else name
             if key not in keys or local is None:
                 continue
+            key = rename(key)
+            if key in reported:
+                if reported[key] is not local:
+                    raise ValueError(
+                        f"{key}: two different tensors of the model are renamed to this one name"
+                    )
+                continue
+            reported[key] = local
             module, pname = owner.get(id(local), (owning, name))
             dim = module.split_dims.get(pname) if isinstance(module, ParallelModule) else None
             if dim is None:
@@ -51,21 +71,23 @@ def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor
                 yield key, local, local.narrow(dim, p.local, p.length), spec
 
 
-def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard | list[LocalShard]]:
+def sharded_state_dict(model: nn.Module, rename: Rename = _same) -> dict[str, LocalShard | list[LocalShard]]:
     """Name -> (this rank's block, its ShardSpec) for every parameter and persistent buffer of `model`; a list of
-    blocks for a fused projection that holds several on this rank (cai-ckpt writes each where it belongs)."""
+    blocks for a fused projection that holds several on this rank (cai-ckpt writes each where it belongs).
+
+    `rename` maps the model's state-dict keys to the names written (a pipeline stage's keys to the full model's)."""
     out: dict[str, list[LocalShard]] = {}
-    for key, _, view, spec in _entries(model):
+    for key, _, view, spec in _entries(model, rename):
         out.setdefault(key, []).append(LocalShard(view.detach(), spec))
     return {key: shards[0] if len(shards) == 1 else shards for key, shards in out.items()}
 
 
 def load_sharded_state_dict(
-    model: nn.Module, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]
+    model: nn.Module, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor], rename: Rename = _same
 ) -> None:
     """Fill every block of `model` with `read(name, spec, dtype)` (what cai-ckpt's reader provides)."""
     with torch.no_grad():
-        for key, _, view, spec in _entries(model):
+        for key, _, view, spec in _entries(model, rename):
             view.copy_(read(key, spec, view.dtype))
 
 
@@ -96,9 +118,9 @@ def _prefix_numel(key: str, local: torch.Tensor, view: torch.Tensor) -> int:
 _Tp = dict[str, tuple[torch.Tensor, torch.Tensor, ShardSpec]]  # name -> (local tensor, tp block view, spec)
 
 
-def _tp_entries(model: nn.Module) -> _Tp:
+def _tp_entries(model: nn.Module, rename: Rename) -> _Tp:
     out: _Tp = {}
-    for key, local, view, spec in _entries(model):
+    for key, local, view, spec in _entries(model, rename):
         if key in out:
             # Several row blocks of one tensor on a rank: a flat range of the local tensor crosses them.
             raise NotImplementedError(
@@ -148,11 +170,11 @@ def _read_local(
 class _MasterState:
     """`tp_model_state`'s object: the state protocol of a tp model whose masters live in an optimizer."""
 
-    def __init__(self, model: nn.Module, optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer, rename: Rename) -> None:
+        self.model, self.optimizer, self.rename = model, optimizer, rename
 
     def sharded_state_dict(self) -> dict[str, LocalShard]:
-        tp = _tp_entries(self.model)
+        tp = _tp_entries(self.model, self.rename)
         out = {key: LocalShard(view.detach(), spec) for key, (_, view, spec) in tp.items()}
         for key, shard in self.optimizer.model_sharded_state_dict().items():
             del out[key]  # replaced by the master piece, or by nothing when this rank's piece is all padding
@@ -162,7 +184,7 @@ class _MasterState:
         return out
 
     def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
-        tp = _tp_entries(self.model)
+        tp = _tp_entries(self.model, self.rename)
         mastered = set(self.optimizer.model_sharded_state_dict())
         self.optimizer.load_model_sharded_state_dict(
             lambda key, spec, dtype: _read_local(tp, key, read, key, spec, dtype)
@@ -176,8 +198,8 @@ class _MasterState:
 class _OptimizerState:
     """`tp_optimizer_state`'s object: the optimizer protocol with every flat state piece in global coordinates."""
 
-    def __init__(self, model: nn.Module, optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer, rename: Rename) -> None:
+        self.model, self.optimizer, self.rename = model, optimizer, rename
 
     def _param(self, tp: _Tp, key: str, shard: LocalShard | None = None) -> str | None:
         param = key.rsplit(".", 1)[0]  # "<param name>.<state key>"; state keys have no dot
@@ -190,7 +212,7 @@ class _OptimizerState:
         return param
 
     def sharded_state_dict(self) -> dict[str, LocalShard]:
-        tp = _tp_entries(self.model)
+        tp = _tp_entries(self.model, self.rename)
         out = {}
         for key, shard in self.optimizer.sharded_state_dict().items():
             param = self._param(tp, key, shard)
@@ -200,7 +222,7 @@ class _OptimizerState:
         return out
 
     def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
-        tp = _tp_entries(self.model)
+        tp = _tp_entries(self.model, self.rename)
 
         def read_local(key: str, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
             param = self._param(tp, key)
@@ -217,23 +239,24 @@ class _OptimizerState:
         self.optimizer.load_param_groups_state(groups)
 
 
-def tp_model_state(model: nn.Module, optimizer):
+def tp_model_state(model: nn.Module, optimizer, *, rename: Rename = _same):
     """The state-protocol object for `cai.ckpt.save_model` / `load_model` of a tp model whose fp32 master weights
     an optimizer shards over the data-parallel axis (cai-zero's `ZeroOptimizer`, or anything with
     `model_sharded_state_dict()` / `load_model_sharded_state_dict(read)`): the masters are written as blocks of the
     global Hugging Face tensors (see [Note: tp blocks under a flat optimizer shard]), and a load refills them
-    (the optimizer then refreshes the working parameters).
+    (the optimizer then refreshes the working parameters). `rename` maps the model's state-dict keys to the names
+    the optimizer knows its parameters by (a pipeline stage's `PipelineModel.global_name`); default: the keys.
 
     Example:
         >>> opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model=model, group=mesh.group("dp"))
         >>> cai.ckpt.save_model(tp_model_state(model, opt), "ckpt/model", config=model.config)
         >>> cai.ckpt.save_optimizer(tp_optimizer_state(model, opt), "ckpt/optim")
     """
-    return _MasterState(model, optimizer)
+    return _MasterState(model, optimizer, rename)
 
 
-def tp_optimizer_state(model: nn.Module, optimizer):
+def tp_optimizer_state(model: nn.Module, optimizer, *, rename: Rename = _same):
     """The optimizer counterpart of `tp_model_state`, for `cai.ckpt.save_optimizer` / `load_optimizer`: the
     optimizer's per-parameter state (`<param name>.exp_avg`, ...) as blocks of the global tensors, scalars
     (`step`) as they are, param groups passed through."""
-    return _OptimizerState(model, optimizer)
+    return _OptimizerState(model, optimizer, rename)

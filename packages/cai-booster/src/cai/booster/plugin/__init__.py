@@ -2,11 +2,18 @@
 
 from cai.booster.plugin._base import BoostContext, Capabilities, DPPluginBase, Plugin
 from cai.booster.plugin._gemini import GeminiPlugin
+from cai.booster.plugin._hybrid import HybridParallelConfig, HybridParallelPlugin, PipelineConfig
 from cai.booster.plugin._low_level_zero import LowLevelZeroConfig, LowLevelZeroPlugin
 from cai.booster.plugin._torch_ddp import DDPConfig, TorchDDPPlugin
 from cai.booster.plugin._torch_fsdp import FSDPConfig, TorchFSDPPlugin
 
-PLUGINS: tuple[type[Plugin], ...] = (TorchDDPPlugin, TorchFSDPPlugin, LowLevelZeroPlugin, GeminiPlugin)
+PLUGINS: tuple[type[Plugin], ...] = (
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+    LowLevelZeroPlugin,
+    GeminiPlugin,
+    HybridParallelPlugin,
+)
 
 __all__ = [
     "PLUGINS",
@@ -16,8 +23,11 @@ __all__ = [
     "DPPluginBase",
     "FSDPConfig",
     "GeminiPlugin",
+    "HybridParallelConfig",
+    "HybridParallelPlugin",
     "LowLevelZeroConfig",
     "LowLevelZeroPlugin",
+    "PipelineConfig",
     "Plugin",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",

@@ -26,7 +26,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GEMINI_ARGS", "LOW_LEVEL_ZERO_ARGS", "PluginArgs", "config_from_kwargs"]
+__all__ = [
+    "GEMINI_ARGS",
+    "HYBRID_ARGS",
+    "LOW_LEVEL_ZERO_ARGS",
+    "PluginArgs",
+    "config_from_kwargs",
+    "hybrid_sp_kwargs",
+]
 
 
 def _same(value: Any) -> Any:
@@ -197,6 +204,113 @@ GEMINI_ARGS = PluginArgs(
         Rejected(("enable_jit_fused",), False, _KERNEL_FIX),
     ),
 )
+
+
+# ---- HybridParallelPlugin -------------------------------------------------------------------------------------
+
+
+def _sp_size(value: int | None) -> int:
+    return 1 if value is None else value
+
+
+def _layers(value: Any) -> Any:
+    return None if value is None else tuple(value)
+
+
+def _checkpoint_config_check(value: Any) -> str | None:
+    ratio = getattr(value, "gradient_checkpointing_ratio", 1.0) if value is not None else 1.0
+    if value is not None and not isinstance(value, bool) and ratio != 1.0:
+        return (
+            f"has gradient_checkpointing_ratio={ratio}; only 1.0 (every decoder block recomputed) is built, or "
+            "None to turn it off"
+        )
+    return None
+
+
+_NO_DDP = "no torch DDP inside: gradients are reduced in cai-zero's flat buckets (zero_bucket_size_in_m)"
+
+HYBRID_ARGS = PluginArgs(
+    owner="HybridParallelPlugin",
+    mapped={
+        "tp_size": Mapped("tp_size"),
+        "pp_size": Mapped("pp_size"),
+        "sp_size": Mapped("sp_size", _sp_size),
+        "precision": Mapped("precision"),
+        "zero_stage": Mapped("zero.stage"),
+        # enable_sequence_parallelism folds into the mode in HybridParallelPlugin.__init__ (see sp_mode_kwargs)
+        "sequence_parallelism_mode": Mapped("sequence_parallelism_mode"),
+        "parallel_output": Mapped("parallel_output"),
+        "num_microbatches": Mapped("pipeline.num_microbatches"),
+        "microbatch_size": Mapped("pipeline.microbatch_size"),
+        "pp_style": Mapped("pipeline.style"),
+        "num_model_chunks": Mapped("pipeline.num_model_chunks"),
+        "num_layers_per_stage": Mapped("pipeline.num_layers_per_stage", _layers),
+        "enable_metadata_cache": Mapped("pipeline.enable_metadata_cache"),
+        **_LOSS_SCALE,
+        "max_norm": Mapped("zero.max_norm"),
+        "zero_bucket_size_in_m": Mapped(
+            "zero.bucket_size_mb", _bucket_mb, _positive("millions of elements per gradient bucket", 12)
+        ),
+        "cpu_offload": Mapped("zero.cpu_offload"),
+        "communication_dtype": Mapped("zero.comm_dtype"),
+        "overlap_communication": Mapped("zero.overlap_comm"),
+        "overlap_allgather": Mapped("zero.overlap_allgather"),
+        "custom_policy": Mapped("custom_policy"),
+        "make_vocab_size_divisible_by": Mapped("make_vocab_size_divisible_by"),
+        # enable_all_optimization folds into this one (fused normalization is the optimization built)
+        "enable_fused_normalization": Mapped("fused_normalization"),
+        "gradient_checkpoint_config": Mapped(
+            "gradient_checkpointing", lambda v: v is not None and v is not False, _checkpoint_config_check
+        ),
+    },
+    defaults={
+        "precision": "fp16",
+        "zero_stage": 0,
+        "initial_scale": 2**16,
+        "max_scale": 2**32,
+        "zero_bucket_size_in_m": 12,
+        "overlap_communication": True,
+    },
+    ignored={
+        "enable_flash_attention": "attention runs through the model's attention implementation (SDPA by default)",
+        "enable_jit_fused": "there are no JIT-fused kernels; enable_fused_normalization gives cai-kernels' norms",
+        "enable_sequence_overlap": "the 'ring' mode already overlaps its sends with the matmuls",
+        "broadcast_buffers": _NO_DDP,
+        "ddp_bucket_cap_mb": _NO_DDP,
+        "find_unused_parameters": _NO_DDP,
+        "check_reduction": _NO_DDP,
+        "gradient_as_bucket_view": _NO_DDP,
+        "static_graph": _NO_DDP,
+        "dp_outside": "the mesh order is fixed: pp, dp, sp, tp from outer to inner (tp ranks are neighbours)",
+        "overlap_p2p": "pipeline sends are asynchronous (isend) already",
+        "verbose": "cai logs through cai.mesh's rank-aware logger",
+    },
+    rejected=(
+        Rejected(
+            ("scheduler_nodes",), None, "leave it None (pp_style='zbv' builds its own zero-bubble plan)"
+        ),
+        Rejected(("inner_ring_size",), None, "leave it None (double-ring attention is not built)"),
+        Rejected(("fp8_communication", "use_fp8"), False, "leave both False (fp8 is not implemented)"),
+    ),
+)
+
+
+def hybrid_sp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Colossal-AI's two sequence-parallel switches as the one mode cai's config holds, and
+    ``enable_all_optimization`` as the fused normalization it turns on."""
+    out = dict(kwargs)
+    enable = out.pop("enable_sequence_parallelism", False)
+    mode = out.get("sequence_parallelism_mode")
+    if enable:
+        out["sequence_parallelism_mode"] = mode or "all_to_all"  # Colossal-AI's default mode
+    elif mode is not None:
+        raise ValueError(
+            f"HybridParallelPlugin: sequence_parallelism_mode={mode!r} but enable_sequence_parallelism=False; set "
+            "enable_sequence_parallelism=True to use it, or drop the mode"
+        )
+    if out.pop("enable_all_optimization", False):
+        out.setdefault("enable_fused_normalization", True)
+    return out
 
 
 # ---- building ---------------------------------------------------------------------------------------------------

@@ -163,7 +163,7 @@ def install_vocab_parallel_loss(model: nn.Module, head: VocabParallelLMHead1D) -
     defer_lm_head_loss(
         model,
         head,
-        lambda hidden, labels, ignore_index, reduction: vocab_parallel_cross_entropy(
-            hidden, head, labels, ignore_index=ignore_index, reduction=reduction
+        lambda lm_head, hidden, labels, ignore_index, reduction: vocab_parallel_cross_entropy(
+            hidden, lm_head, labels, ignore_index=ignore_index, reduction=reduction
         ),
     )

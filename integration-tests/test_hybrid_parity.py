@@ -1,0 +1,226 @@
+"""HybridParallelPlugin against one process: each layout x {plain, gradient accumulation, clipping}, 20 AdamW
+steps of a tiny Llama through ``Booster``, in fp32.
+
+Every rank trains the one-process reference on the whole global batch itself (cheap at this size) and compares
+inside the worker. Each data-parallel rank gets its own slice of the global batch, so a missing or doubled
+data-parallel average fails; tensor, sequence and pipeline ranks of one replica read the same slice. Compared:
+the loss of every step (on every rank; the pipeline broadcasts it), and at the end every parameter assembled from
+all ranks' pieces of the plugin's checkpoint state (tp blocks x ZeRO flat ranges x pipeline stages, under the full
+model's names), so the test also covers what ``save_model`` writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cai.mesh import LocalShard, assemble
+from cai.mesh.testing import assert_close, run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 20
+GLOBAL_BATCH = 8
+SEQ = 16
+VOCAB = 251  # prime: tensor parallelism pads it (to 256 at tp 2), and the padding must never leak out
+LR = 1e-3
+EPS = 1e-4  # see test_parity_matrix.py: keeps Adam's update smooth in gradients near zero
+MAX_NORM = 0.05  # below the gradient norm of every step, so clipping is active throughout
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    name: str
+    world: int
+    kwargs: tuple[tuple[str, object], ...]  # HybridParallelPlugin keyword arguments
+    tied: bool = False
+
+    def plugin_kwargs(self) -> dict:
+        return dict(self.kwargs)
+
+
+LAYOUTS = [
+    Layout(name="tp2", world=2, kwargs=(("tp_size", 2), ("pp_size", 1))),
+    Layout(name="pp2", world=2, kwargs=(("tp_size", 1), ("pp_size", 2), ("num_microbatches", 2)), tied=True),
+    Layout(
+        name="tp2-sp-split_gather",
+        world=2,
+        kwargs=(
+            ("tp_size", 2),
+            ("pp_size", 1),
+            ("enable_sequence_parallelism", True),
+            ("sequence_parallelism_mode", "split_gather"),
+        ),
+    ),
+    Layout(
+        name="sp2-all_to_all",
+        world=2,
+        kwargs=(
+            ("tp_size", 1),
+            ("pp_size", 1),
+            ("sp_size", 2),
+            ("enable_sequence_parallelism", True),
+            ("sequence_parallelism_mode", "all_to_all"),
+        ),
+    ),
+    Layout(
+        name="sp2-ring_attn",
+        world=2,
+        kwargs=(
+            ("tp_size", 1),
+            ("pp_size", 1),
+            ("sp_size", 2),
+            ("enable_sequence_parallelism", True),
+            ("sequence_parallelism_mode", "ring_attn"),
+        ),
+    ),
+    Layout(
+        name="tp2xpp2", world=4, kwargs=(("tp_size", 2), ("pp_size", 2), ("num_microbatches", 2)), tied=True
+    ),
+    Layout(
+        name="pp2xdp2-zero1",
+        world=4,
+        kwargs=(("tp_size", 1), ("pp_size", 2), ("zero_stage", 1), ("num_microbatches", 2)),
+    ),
+    Layout(name="tp2xdp2-zero2", world=4, kwargs=(("tp_size", 2), ("pp_size", 1), ("zero_stage", 2))),
+    Layout(
+        name="pp4-interleaved",
+        world=4,
+        kwargs=(
+            ("tp_size", 1),
+            ("pp_size", 4),
+            ("pp_style", "interleaved"),
+            ("num_model_chunks", 2),
+            ("num_microbatches", 4),
+        ),
+    ),
+    Layout(
+        name="tp2xpp2xdp2-zero1",
+        world=8,
+        kwargs=(("tp_size", 2), ("pp_size", 2), ("zero_stage", 1), ("num_microbatches", 2)),
+        tied=True,
+    ),
+]
+MODES = ("plain", "accum", "clip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    layout: Layout
+    mode: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.layout.name}-{self.mode}"
+
+
+CASES = [Case(layout=lay, mode=m) for lay in LAYOUTS for m in MODES]
+
+
+def tiny_llama(tied: bool) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,  # pp 4 x 2 chunks: one block per virtual stage
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).float()
+
+
+def batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def rows(b: dict[str, torch.Tensor], part: int, parts: int) -> dict[str, torch.Tensor]:
+    return {k: v.chunk(parts)[part] for k, v in b.items()}
+
+
+def reference_run(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = tiny_llama(case.layout.tied)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    micro = 2 if case.mode == "accum" else 1
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for i in range(micro):
+            loss = model(**rows(batch(step), i, micro)).loss / micro
+            loss.backward()
+            total += loss.item()
+        if case.mode == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def gathered_params(booster, model, names: set[str]) -> dict[str, torch.Tensor]:
+    """Every parameter assembled from all ranks' pieces of the plugin's checkpoint state."""
+    pieces: dict[str, list] = {}
+    for n, entry in booster.plugin.model_state(model).sharded_state_dict().items():
+        for s in entry if isinstance(entry, list) else [entry]:
+            pieces.setdefault(n, []).append((s.tensor.detach().float().clone(), s.spec))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    return {n: assemble([LocalShard(*p) for r in everyone for p in r.get(n, [])]) for n in names}
+
+
+def boosted_run(case: Case) -> float:
+    from cai.booster import Booster
+    from cai.booster.plugin import HybridParallelPlugin
+
+    ref_losses, ref_params = reference_run(case)
+    plugin = HybridParallelPlugin(precision="fp32", max_norm=MAX_NORM if case.mode == "clip" else 0.0,
+                                  **case.layout.plugin_kwargs())  # fmt: skip
+    booster = Booster(plugin=plugin, device="cpu")
+    model = tiny_llama(case.layout.tied)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    model, opt, *_ = booster.boost(model, opt)
+    dp, dp_rank = plugin.mesh.size("dp"), plugin.mesh.coordinate("dp")
+    micro = 2 if case.mode == "accum" else 1
+    losses = []
+    for step in range(STEPS):
+        mine = rows(batch(step), dp_rank, dp)
+        total = torch.zeros(())
+        for i in range(micro):
+            part = rows(mine, i, micro)
+            ctx = booster.no_sync(model, opt) if i < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                if plugin.pp_size > 1:
+                    out = booster.execute_pipeline(iter([part]), model, lambda o, _b: o["loss"] / micro, opt)
+                    loss = out["loss"]
+                else:
+                    loss = model(**part).loss / micro
+                    booster.backward(loss, opt)
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total, group=plugin.dp_group)
+        losses.append(total.item() / dp)
+    assert_close(
+        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=1e-5,
+        name=f"{case.id} loss",
+    )
+    params = gathered_params(booster, model, set(ref_params))
+    assert_close(params, ref_params, rtol=1e-5, atol=1e-7, name=f"{case.id} params")
+    return losses[-1]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_hybrid_parity(case: Case) -> None:
+    results = run_distributed(boosted_run, case.layout.world, case, timeout=300)
+    assert len({round(r, 10) for r in results}) == 1, results

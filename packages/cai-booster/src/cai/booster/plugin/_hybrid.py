@@ -1,0 +1,568 @@
+"""HybridParallelPlugin: tensor x pipeline x sequence x data parallelism with ZeRO, composed from cai-shardformer
+(tensor and sequence parallelism), cai-pipeline (stages and schedules) and cai-zero (stage 0, 1 or 2 over the
+data-parallel axis).
+
+[Note: the order of composition]
+``configure`` applies, in this order, and each step needs the one before it:
+1. every rank holds the whole model, with rank 0's weights (``sync_replicas`` over the world: before sharding, all
+   ranks are replicas of one model);
+2. cai-shardformer shards it over tp (and sp). Tensor-parallel layers replace modules, so the parameters are new
+   objects, under the same names;
+3. cai-pipeline cuts this rank's chunks out of the sharded model (after sharding, so that a stage holds tp shards;
+   the other stages' modules are dropped with the full model);
+4. the chunks are cast to the working precision (after the cut: nothing is cast that this rank does not keep);
+5. the user's optimizer is rebound by name to the parameters this rank kept and wrapped by cai-zero over dp. Its
+   parameter names are the full model's (``PipelineModel.global_name``: global block indices, a tied head weight
+   under the embedding's name), so checkpoints and optimizer state read the same under any layout.
+
+[Note: one gradient norm over tp x pp x dp]
+cai-zero sums squared gradient norms over its dp shards and over the tp and pp groups (``norm_groups``). A weight
+that several of those ranks hold identically is divided by its number of copies (``replicas``): norm weights and
+replicated kv heads over tp (counted by comparing the tp blocks' specs once, at boost), and a tied embedding whose
+copy sits on the last stage. Those two copies also sum their gradients over the tied group inside the optimizer
+step (``shared``), so both take the same update. sp ranks hold the same parameters with gradients that
+cai-shardformer already reduced over sp, so sp is in no norm group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cai.booster._precision import check_precision, precision_dtype
+from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
+from cai.booster.plugin._base import BoostContext, Boosted, Capabilities, Plugin, lora_plugins
+from cai.booster.plugin._compat import HYBRID_ARGS, config_from_kwargs, hybrid_sp_kwargs
+from cai.booster.plugin._low_level_zero import ZeroOptimizerWrapper, _cast_floating_inputs
+from cai.booster.plugin._torch_ddp import place_replicated
+
+if TYPE_CHECKING:
+    from cai.mesh import ParallelMesh
+    from cai.zero import LossScaleConfig, ZeroConfig
+
+__all__ = ["HybridParallelConfig", "HybridParallelPlugin", "PipelineConfig"]
+
+_PRECISIONS = ("fp32", "fp16", "bf16")
+_SP_MODES = ("split_gather", "ring", "all_to_all", "ring_attn")
+_SP_ON_TP = ("split_gather", "ring")  # these split the sequence over the tp group itself
+_PP_STYLES = ("1f1b", "interleaved", "zbv")
+
+
+def _zero_config() -> ZeroConfig:
+    from cai.zero import ZeroConfig
+
+    return ZeroConfig(stage=0)
+
+
+def _loss_scale_config() -> LossScaleConfig:
+    from cai.zero import LossScaleConfig
+
+    return LossScaleConfig()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How the model is cut into stages and which schedule runs them (cai-pipeline).
+
+    Args:
+        style: ``"1f1b"`` (one chunk per stage), ``"interleaved"`` (``num_model_chunks`` >= 2) or ``"zbv"``
+            (zero-bubble V, two chunks).
+        num_microbatches / microbatch_size: how each batch is split; exactly one of them with ``pp_size > 1``.
+        num_model_chunks: model chunks per pipeline rank.
+        num_layers_per_stage: decoder blocks per virtual stage, in order (default: an even split).
+        enable_metadata_cache: send tensor shapes between stages only when they change.
+    """
+
+    style: str = "1f1b"
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    num_model_chunks: int = 1
+    num_layers_per_stage: tuple[int, ...] | None = None
+    enable_metadata_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.style not in _PP_STYLES:
+            raise ValueError(f"HybridParallelPlugin: pp_style={self.style!r}; use one of {list(_PP_STYLES)}")
+        need = {"1f1b": "== 1", "interleaved": ">= 2", "zbv": "== 2"}[self.style]
+        ok = {"1f1b": self.num_model_chunks == 1, "interleaved": self.num_model_chunks >= 2}.get(
+            self.style, self.num_model_chunks == 2
+        )
+        if not ok:
+            raise ValueError(
+                f"HybridParallelPlugin: pp_style={self.style!r} needs num_model_chunks {need}, got "
+                f"num_model_chunks={self.num_model_chunks}"
+            )
+        if self.num_microbatches is not None and self.microbatch_size is not None:
+            raise ValueError(
+                f"HybridParallelPlugin: give num_microbatches or microbatch_size, not both (got "
+                f"num_microbatches={self.num_microbatches}, microbatch_size={self.microbatch_size})"
+            )
+        for name in ("num_microbatches", "microbatch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"HybridParallelPlugin: {name}={value!r} must be a positive int")
+        if self.num_layers_per_stage is not None:
+            object.__setattr__(self, "num_layers_per_stage", tuple(self.num_layers_per_stage))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridParallelConfig:
+    """Everything ``HybridParallelPlugin`` needs.
+
+    Args:
+        tp_size, pp_size: tensor- and pipeline-parallel sizes; the data-parallel size is what the world leaves.
+        sp_size: sequence-parallel size for the ``"all_to_all"`` and ``"ring_attn"`` modes (a mesh axis of its own);
+            ``"split_gather"`` and ``"ring"`` split the sequence over the tp group and need ``sp_size == 1``.
+        sequence_parallelism_mode: one of ``"split_gather"``, ``"ring"``, ``"all_to_all"``, ``"ring_attn"``;
+            None turns sequence parallelism off.
+        precision: working precision, ``"bf16"`` (default), ``"fp16"`` (with dynamic loss scaling) or ``"fp32"``;
+            fp32 master weights are kept in the optimizer whatever this is.
+        zero: cai-zero's ``ZeroConfig`` over the data-parallel axis: ``stage`` 0 (replicated masters, gradients
+            all-reduced), 1 or 2, buckets, communication dtype, overlap, ``max_norm`` (clipping by the norm over
+            every rank) and CPU offload. Stage 2 with ``pp_size > 1`` is refused.
+        loss_scale: the fp16 loss scaler (``cai.zero.LossScaleConfig``).
+        pipeline: schedule and stage layout (``PipelineConfig``); needs a micro-batch setting when ``pp_size > 1``.
+        parallel_output: compute the causal-LM loss vocab-parallel from the hidden states (logits never gathered).
+        fused_normalization: replace RMSNorm / LayerNorm by cai-kernels' fused ones.
+        make_vocab_size_divisible_by: pad the vocabulary to a multiple of this times tp (None: no padding).
+        custom_policy: a cai-shardformer ``Policy`` instead of the one registered for the model's class.
+        gradient_checkpointing: recompute each decoder block in backward (the model's own
+            ``gradient_checkpointing_enable``).
+
+    Example::
+
+        HybridParallelPlugin(config=HybridParallelConfig(tp_size=2, pp_size=2, zero=ZeroConfig(stage=1),
+                                                         pipeline=PipelineConfig(num_microbatches=4)))
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    sp_size: int = 1
+    sequence_parallelism_mode: str | None = None
+    precision: str = "bf16"
+    zero: ZeroConfig = field(default_factory=_zero_config)
+    loss_scale: LossScaleConfig = field(default_factory=_loss_scale_config)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    parallel_output: bool = True
+    fused_normalization: bool = False
+    make_vocab_size_divisible_by: int | None = 64
+    custom_policy: Any = None
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "HybridParallelPlugin"
+        check_precision(self.precision, _PRECISIONS, owner=owner)
+        for name in ("tp_size", "pp_size", "sp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{owner}: {name}={value!r} must be a positive int")
+        mode = self.sequence_parallelism_mode
+        if mode is not None and mode not in _SP_MODES:
+            raise ValueError(f"{owner}: sequence_parallelism_mode={mode!r}; use one of {list(_SP_MODES)}")
+        if mode is None and self.sp_size > 1:
+            raise ValueError(
+                f"{owner}: sp_size={self.sp_size} without sequence parallelism; set "
+                "enable_sequence_parallelism=True with sequence_parallelism_mode='all_to_all' or 'ring_attn' (or "
+                "sp_size=1)"
+            )
+        if mode in _SP_ON_TP and self.tp_size == 1:
+            raise ValueError(
+                f"{owner}: sequence_parallelism_mode={mode!r} splits the sequence over the tp group, but "
+                "tp_size=1; use tp_size > 1, or mode 'all_to_all' / 'ring_attn' with sp_size > 1"
+            )
+        if mode in _SP_ON_TP and self.sp_size > 1:
+            raise ValueError(
+                f"{owner}: sequence_parallelism_mode={mode!r} uses the tp group (size {self.tp_size}) as its "
+                f"sequence-parallel group, so sp_size={self.sp_size} would be a second axis; use sp_size=1, or mode "
+                "'all_to_all' / 'ring_attn' for a sequence-parallel axis of its own"
+            )
+        if self.pp_size > 1 and self.zero.stage == 2:
+            raise ValueError(
+                f"{owner}: zero_stage=2 with pp_size={self.pp_size} is not supported (every micro-batch's backward "
+                "would reduce-scatter the gradients); use zero_stage=1 or 0 with pipeline parallelism"
+            )
+        pipe = self.pipeline
+        if self.pp_size > 1 and pipe.num_microbatches is None and pipe.microbatch_size is None:
+            raise ValueError(
+                f"{owner}: pp_size={self.pp_size} needs num_microbatches or microbatch_size (how each batch is split "
+                f"into micro-batches), for example num_microbatches={2 * self.pp_size}"
+            )
+        if self.pp_size == 1 and (pipe.style != "1f1b" or pipe.num_model_chunks != 1):
+            raise ValueError(
+                f"{owner}: pp_style={pipe.style!r} with num_model_chunks={pipe.num_model_chunks} needs pp_size > 1"
+            )
+
+    @property
+    def sp_on_tp(self) -> bool:
+        return self.sequence_parallelism_mode in _SP_ON_TP
+
+    def dims(self, world_size: int | None = None) -> Any:
+        """The validated ``cai.mesh.ParallelDims`` (the data-parallel size fills the world)."""
+        from cai.mesh import ParallelDims
+
+        return ParallelDims(dp=-1, pp=self.pp_size, tp=self.tp_size, sp=self.sp_size, world_size=world_size)
+
+
+class HybridParallelPlugin(Plugin):
+    """Tensor, pipeline, sequence and data parallelism with ZeRO, in one plugin (see [Note: the order of
+    composition]).
+
+    Takes ``config=HybridParallelConfig(...)`` or Colossal-AI's keyword arguments with its defaults: ``tp_size``,
+    ``pp_size``, ``sp_size=None``, ``precision="fp16"``, ``zero_stage=0``, ``enable_sequence_parallelism=False``,
+    ``sequence_parallelism_mode=None`` ("all_to_all" when enabled), ``parallel_output=True``,
+    ``num_microbatches=None``, ``microbatch_size=None``, the loss scaler (``initial_scale=2**16, min_scale=1,
+    growth_factor=2, backoff_factor=0.5, growth_interval=1000, hysteresis=2, max_scale=2**32``), ``max_norm=0``,
+    ``zero_bucket_size_in_m=12``, ``cpu_offload=False``, ``communication_dtype=None``,
+    ``overlap_communication=True``, ``custom_policy=None``, ``pp_style="1f1b"``, ``num_model_chunks=1``,
+    ``num_layers_per_stage=None``, ``gradient_checkpoint_config=None``, ``enable_metadata_cache=True``,
+    ``make_vocab_size_divisible_by=64``, ``overlap_allgather=False``, the ``enable_*`` kernel switches. The tables
+    (mapped, ignored with the reason, rejected with what to use) are in ``cai/booster/plugin/_compat.py``.
+
+    With ``pp_size > 1`` train with ``booster.execute_pipeline(iter(loader), model, criterion, optimizer)``, where
+    ``criterion(outputs, batch)`` returns the loss of one micro-batch; otherwise ``model(**batch)`` and
+    ``booster.backward(loss, optimizer)`` as with the other plugins.
+
+    Example::
+
+        plugin = HybridParallelPlugin(tp_size=2, pp_size=2, zero_stage=1, precision="bf16", microbatch_size=1)
+        booster = Booster(plugin=plugin)
+        model, optimizer, criterion, loader, _ = booster.boost(model, optimizer, criterion, loader)
+        out = booster.execute_pipeline(iter(loader), model, criterion, optimizer, return_loss=True)
+        optimizer.step(); optimizer.zero_grad()
+    """
+
+    NO_SYNC = True
+    PIPELINE = True
+
+    def __init__(self, *, config: HybridParallelConfig | None = None, **kwargs: Any) -> None:
+        self.config: HybridParallelConfig = config_from_kwargs(
+            HYBRID_ARGS, HybridParallelConfig, config, hybrid_sp_kwargs(kwargs)
+        )
+        self._mesh: ParallelMesh | None = None
+        if dist.is_available() and dist.is_initialized():
+            self._mesh = self.mesh  # sizes that do not fit the world fail here, when the plugin is built
+
+    # ---- the mesh -------------------------------------------------------------------------------------------
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The (pp, dp, sp, tp) mesh, built on first use (collective)."""
+        if self._mesh is None:
+            dims = self.config.dims()
+            self._mesh = dims.build_mesh()
+            for axis in ("pp", "dp", "sp", "tp"):
+                self._mesh.group(axis)  # every rank creates the groups in the same order
+        return self._mesh
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.group("dp") if dist.is_initialized() else None
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.group("tp") if dist.is_initialized() else None
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.group("pp") if dist.is_initialized() else None
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        if not dist.is_initialized():
+            return None
+        return self.mesh.group("tp") if self.config.sp_on_tp else self.mesh.group("sp")
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.config.pp_size
+
+    @property
+    def sp_size(self) -> int:
+        return self.config.sp_size
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero.stage
+
+    @property
+    def stage_manager(self) -> Any:
+        """This rank's ``cai.pipeline.PipelineStageManager`` (None without pipeline parallelism)."""
+        return self._manager if self.pp_size > 1 else None
+
+    # ---- the plugin contract --------------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            precisions=_PRECISIONS, control_precision=True, no_sync=True, lora=False, pipeline=True
+        )
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    def sync_replicas(self, model: nn.Module) -> None:
+        # Before sharding every rank holds the whole model: all of them are replicas of it.
+        from cai.booster._replicas import sync_replicas
+
+        sync_replicas(model, None, owner=f"{self.name} boost()")
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        criterion: Callable | None,
+        dataloader: Any,
+        lr_scheduler: Any,
+        ctx: BoostContext,
+    ) -> Boosted:
+        cfg = self.config
+        aliases = _aliases(model)
+        place_replicated(model, ctx)
+        if cfg.gradient_checkpointing:
+            _enable_checkpointing(model)
+        model = self._shard(model)
+        module: nn.Module = self._split(model) if self.pp_size > 1 else model
+        dtype = precision_dtype(cfg.precision)
+        module.to(dtype)
+        if self.pp_size == 1 and dtype != torch.float32:
+            _cast_floating_inputs(module, dtype)
+        rename = module.global_name if self.pp_size > 1 else _same
+        boosted = ModelWrapper(module)
+        object.__setattr__(boosted, "_cai_rename", rename)
+        if optimizer is None:
+            return boosted, None, criterion, dataloader, lr_scheduler
+        named = _named_parameters(module, rename)
+        _rebind(optimizer, aliases, dict(named))
+        zo = self._zero(optimizer, module, named, rename)
+        boosted_opt = ZeroOptimizerWrapper(zo)
+        boosted_opt.boosted_model = boosted
+        return boosted, boosted_opt, criterion, dataloader, lr_scheduler
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        cfg = self.config
+        if self.tp_size == 1 and cfg.sequence_parallelism_mode is None and not cfg.fused_normalization:
+            if cfg.custom_policy is not None:
+                raise ValueError(
+                    f"{self.name}: custom_policy is given but tp_size=1 without sequence parallelism, so no policy "
+                    "would be applied; use tp_size > 1 or drop custom_policy"
+                )
+            return model  # nothing to shard: the model stays the user's, with whatever kernels it has
+        from cai.shardformer import ShardConfig, ShardFormer
+
+        shard_config = ShardConfig(
+            tensor_parallel_process_group=self.tp_group,
+            sequence_parallel_process_group=self.sp_group,
+            enable_tensor_parallelism=self.tp_size > 1,
+            enable_fused_normalization=cfg.fused_normalization,
+            enable_sequence_parallelism=cfg.sequence_parallelism_mode is not None,
+            sequence_parallelism_mode=cfg.sequence_parallelism_mode,
+            parallel_output=cfg.parallel_output,
+            make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        )
+        sharded, _ = ShardFormer(shard_config).optimize(model, cfg.custom_policy)
+        return sharded
+
+    def _split(self, model: nn.Module) -> nn.Module:
+        from cai.pipeline import LocalState, PipelineStageManager, build_schedule, build_stages
+        from cai.shardformer import load_sharded_state_dict, sharded_state_dict
+
+        pipe = self.config.pipeline
+        self._manager = PipelineStageManager(
+            self.mesh,
+            "pp",
+            enable_interleave=pipe.num_model_chunks > 1,
+            num_model_chunks=pipe.num_model_chunks,
+            use_zbv=pipe.style == "zbv",
+            num_layers_per_stage=pipe.num_layers_per_stage,
+        )
+        self._schedule = build_schedule(
+            pipe.style,
+            self._manager,
+            num_microbatches=pipe.num_microbatches,
+            microbatch_size=pipe.microbatch_size,
+            num_model_chunks=pipe.num_model_chunks if pipe.style != "1f1b" else None,
+            enable_metadata_cache=pipe.enable_metadata_cache,
+        )
+        return build_stages(
+            model, self._manager, local_state=LocalState(sharded_state_dict, load_sharded_state_dict)
+        )
+
+    def _zero(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, named: list, rename: Callable
+    ) -> Any:
+        from cai.zero import ZeroOptimizer
+
+        cfg = self.config
+        norm_groups = [
+            g for g, size in ((self.tp_group, self.tp_size), (self.pp_group, self.pp_size)) if size > 1
+        ]
+        shared: dict[str, dist.ProcessGroup] = {}
+        tied_group = getattr(module, "tied_group", None)
+        if tied_group is not None:
+            ids = {id(p) for p in module.shared_params()}
+            shared = {n: tied_group for n, p in named if id(p) in ids}
+        replicas = _replicas(module, rename, self.tp_group if self.tp_size > 1 else None, named)
+        for n in shared:
+            replicas[n] = replicas.get(n, 1) * 2
+        return ZeroOptimizer(
+            optimizer,
+            model=named,
+            config=cfg.zero,
+            loss_scale=cfg.loss_scale if cfg.precision == "fp16" else None,
+            group=self.dp_group,
+            norm_groups=norm_groups,
+            replicas=replicas,
+            shared=shared,
+        )
+
+    # ---- training ---------------------------------------------------------------------------------------------
+    def execute_pipeline(
+        self,
+        data_iter: Iterator,
+        model: ModelWrapper,
+        criterion: Callable,
+        optimizer: OptimizerWrapper | None = None,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """One batch from ``data_iter`` through the pipeline: forward and (with grad enabled) backward of every
+        micro-batch; gradients accumulate in the optimizer, which you then step. Returns ``{"loss", "outputs"}``:
+        the loss averaged over micro-batches on every stage (cai broadcasts it, so any rank can log it), the last
+        stage's outputs (None elsewhere)."""
+        if self.pp_size == 1:
+            raise ValueError(
+                f"{self.name}.execute_pipeline: pp_size=1, so there is no pipeline; call model(**batch) and "
+                "booster.backward(loss, optimizer)"
+            )
+        zo = optimizer.unwrap() if optimizer is not None else getattr(model, "_cai_zero", None)
+        return self._schedule.forward_backward_step(
+            model.unwrap(), data_iter, criterion, zo, return_loss=return_loss, return_outputs=return_outputs
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self, model: ModelWrapper, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
+        if optimizer is None:
+            raise ValueError(f"{self.name}.no_sync: pass the boosted optimizer (gradients live in it)")
+        with optimizer.no_sync():
+            yield
+
+    def enable_lora(
+        self, model: nn.Module, pretrained_dir: str | None = None, lora_config: Any = None
+    ) -> nn.Module:
+        raise ValueError(
+            f"{self.name} does not support LoRA yet (peft's wrapper hides the model class from the sharding "
+            f"policies); use one of the plugins that do ({lora_plugins()})"
+        )
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------
+    def model_state(self, model: ModelWrapper) -> Any:
+        from cai.shardformer import tp_model_state
+
+        module, rename = model.unwrap(), model._cai_rename
+        zo = getattr(model, "_cai_zero", None)
+        return tp_model_state(module, zo, rename=rename) if zo is not None else _RenamedState(module, rename)
+
+    def optimizer_state(self, optimizer: OptimizerWrapper, model: ModelWrapper) -> Any:
+        from cai.shardformer import tp_optimizer_state
+
+        return tp_optimizer_state(model.unwrap(), optimizer.unwrap(), rename=model._cai_rename)
+
+    def prepare_optimizer_load(self, optimizer: OptimizerWrapper) -> None:
+        optimizer.unwrap().ensure_state()
+
+
+class _RenamedState:
+    """The state protocol of a sharded and/or split model without an optimizer (its working parameters)."""
+
+    def __init__(self, module: nn.Module, rename: Callable[[str], str]) -> None:
+        self.module, self.rename = module, rename
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        from cai.shardformer import sharded_state_dict
+
+        return sharded_state_dict(self.module, self.rename)
+
+    def load_sharded_state_dict(self, read: Any) -> None:
+        from cai.shardformer import load_sharded_state_dict
+
+        load_sharded_state_dict(self.module, read, self.rename)
+
+
+def _same(key: str) -> str:
+    return key
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in the user's model (a tied weight has two)."""
+    out: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(name)
+    return out
+
+
+def _named_parameters(module: nn.Module, rename: Callable[[str], str]) -> list[tuple[str, nn.Parameter]]:
+    return [(rename(n), p) for n, p in module.named_parameters()]
+
+
+def _rebind(
+    optimizer: torch.optim.Optimizer, aliases: dict[int, list[str]], kept: dict[str, nn.Parameter]
+) -> None:
+    """Point the optimizer's groups at the parameters this rank kept (sharded copies, this stage's only), by name."""
+    if any(optimizer.state.values()):
+        raise ValueError(
+            f"boost(): {type(optimizer).__name__} already has state (it has stepped); boost before the first step"
+        )
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            new = next((kept[n] for n in aliases[id(p)] if n in kept), None)
+            if new is not None and all(new is not q for q in params):
+                params.append(new)
+        group["params"] = params
+
+
+def _replicas(
+    module: nn.Module, rename: Callable[[str], str], tp_group: dist.ProcessGroup | None, named: list
+) -> dict[str, int]:
+    """Parameter name -> how many tp ranks hold the same block of it (see [Note: one gradient norm over tp x pp x
+    dp]); only names with more than one copy."""
+    if tp_group is None:
+        return {}
+    from cai.shardformer import sharded_state_dict
+
+    names = {n for n, _ in named}
+    mine = {
+        n: [
+            (s.spec.offsets, s.spec.block_shape, s.spec.flat_range)
+            for s in (e if isinstance(e, list) else [e])
+        ]
+        for n, e in sharded_state_dict(module, rename).items()
+        if n in names
+    }
+    everyone: list[Any] = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(everyone, mine, group=tp_group)
+    out = {}
+    for n, spec in mine.items():
+        copies = sum(other.get(n) == spec for other in everyone)
+        if copies > 1:
+            out[n] = copies
+    return out
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError(
+            f"HybridParallelPlugin: gradient checkpointing needs a model with gradient_checkpointing_enable() (a "
+            f"Hugging Face model); {type(model).__name__} has none"
+        )
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
