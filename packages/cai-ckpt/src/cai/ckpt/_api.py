@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cai.ckpt._codec import decode, encode
@@ -23,11 +22,12 @@ from cai.ckpt._format import (
     read_json,
     write_json,
 )
+from cai.ckpt._groups import group_mismatches, merge_optimizer_groups, own_groups
 from cai.ckpt._load import CheckpointReader
 from cai.ckpt._optim import TorchOptimizerAdapter
 from cai.ckpt._plan import State, global_shapes, local_metadata
 from cai.ckpt._save import full_state, join, write_sharded
-from cai.ckpt._txn import IO_THREADS, Transaction, dist_info, finish, run_parallel, wait
+from cai.ckpt._txn import IO_THREADS, Transaction, everyone, finish, run_parallel, wait
 from cai.mesh import ShardSpec
 
 
@@ -151,7 +151,12 @@ def write_optimizer(
 ) -> None:
     view = optimizer_view(optimizer, param_names)
     state = dict(view.sharded_state_dict())
-    write_sharded(
+    # Each rank's groups travel with its tensor metadata; merged over the ranks (see [Note: param groups over ranks]).
+    own = {
+        "param_groups": view.param_groups_state(),
+        "scalar_state": view.scalar_state() if hasattr(view, "scalar_state") else {},
+    }
+    doc = write_sharded(
         txn,
         state,
         subdir=subdir,
@@ -160,14 +165,11 @@ def write_optimizer(
         size_per_shard=size_per_shard,
         out_dtype=lambda n, d: torch.float32 if d.is_floating_point else d,
         use_async=use_async,
+        extra=own,
+        merge=merge_optimizer_groups,
     )
     if txn.rank == 0:
-        scalars = view.scalar_state() if hasattr(view, "scalar_state") else {}
-        write_json_tensors(
-            txn,
-            join(subdir, PARAM_GROUPS_NAME.removesuffix(".json")),
-            {"param_groups": view.param_groups_state(), "scalar_state": scalars},
-        )
+        write_json_tensors(txn, join(subdir, PARAM_GROUPS_NAME.removesuffix(".json")), doc)
 
 
 def save_model(
@@ -228,6 +230,11 @@ def save_optimizer(
     by ``model`` (``named_parameters``) or ``param_names`` (a list in optimizer order, or a dict param -> name).
     ``path`` follows ``save_model``'s rule: only nothing, an empty directory or an earlier cai-ckpt checkpoint may
     be there.
+
+    The ranks of ``group`` may hold different parameters (pipeline stages, each naming its parameters with the
+    full model's names): ``param_groups.json`` then lists, in group i, every rank's parameters of its group i.
+    The hyperparameters of a group must agree on the ranks that have parameters in it; otherwise every rank
+    raises ``ValueError`` naming the group, the key and the values, and nothing is saved.
     """
     wait()
     txn = Transaction(Path(path), group=group, info={"kind": "optimizer"})
@@ -246,13 +253,8 @@ def save_optimizer(
 def _union_over_ranks(shapes: dict[str, tuple[int, ...]], group: Any) -> dict[str, tuple[int, ...]]:
     """Names and global shapes reported by any rank: a sharded object lists only the pieces it holds (a small
     ZeRO tensor can lie wholly on another rank), while a checkpoint holds them all."""
-    _, world = dist_info(group)
-    if world == 1:
-        return shapes
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, shapes, group=group)
     out: dict[str, tuple[int, ...]] = {}
-    for other in everyone:
+    for other in everyone(shapes, group):
         out.update(other)
     return out
 
@@ -339,11 +341,16 @@ def prepare_optimizer_load(
 ) -> Callable[[], None]:
     reader = CheckpointReader(path, index_name=OPTIM_INDEX_NAME, single_name=None, verify=verify)
     groups_doc = read_json_tensors(path / PARAM_GROUPS_NAME.removesuffix(".json"), reader._check_file)
+    saved_groups = groups_doc["param_groups"]
     view = optimizer_view(optimizer, param_names)
     # Parameter names, not state keys, decide what matches: a sharded optimizer may hold no state before its
-    # first step, and a parameter that never had a gradient has none in the checkpoint either.
-    names = {n for g in view.param_groups_state() for n in g["params"]}
-    saved = {n for g in groups_doc["param_groups"] for n in g["params"]}
+    # first step, and a parameter that never had a gradient has none in the checkpoint either. The checks see
+    # every rank's names (pipeline stages hold different parameters; see [Note: param groups over ranks]).
+    mine = view.param_groups_state()
+    group_names = everyone([g["params"] for g in mine], group)
+    own = {n for g in mine for n in g["params"]}
+    names = {n for groups in group_names for g in groups for n in g}
+    saved = {n for g in saved_groups for n in g["params"]}
     missing, unexpected = names - saved, (saved - names) if strict else set()
     foreign = sorted(k for k in reader.names() if k.rsplit(".", 1)[0] not in names) if strict else []
     if missing or unexpected or foreign:
@@ -351,6 +358,13 @@ def prepare_optimizer_load(
             f"optimizer checkpoint {path} does not match the optimizer: parameters missing from the checkpoint "
             f"{sorted(missing)[:20]}, unexpected parameters {sorted(unexpected)[:20]}, state of unknown parameters {foreign[:20]}"
         )
+    problems = group_mismatches(group_names, saved_groups, strict=strict)
+    if problems:
+        raise CheckpointError(
+            f"optimizer checkpoint {path} has other param groups than the optimizer: {'; '.join(problems[:10])}; "
+            "build the optimizer's param groups from the same parameters as the one that was saved"
+        )
+    groups = own_groups(saved_groups, own, len(mine))
     for k in reader.weight_map:
         reader.header(k)  # every file's header is validated before anything is copied
     if not isinstance(view, TorchOptimizerAdapter):
@@ -362,14 +376,20 @@ def prepare_optimizer_load(
             with reader:
                 view.load_sharded_state_dict(reader.read)
             reader.raise_if_corrupt(group)
-            view.load_param_groups_state(groups_doc["param_groups"])
+            view.load_param_groups_state(groups)
 
         return apply_sharded
 
+    scalars = {n: kv for n, kv in (groups_doc.get("scalar_state") or {}).items() if n in own}
+
     def apply() -> None:
         with reader:
-            tensors = {k: reader.read(k, ShardSpec.full(reader.header(k)["shape"])) for k in reader.names()}
-        view.load(groups_doc["param_groups"], tensors, groups_doc.get("scalar_state") or {})
+            tensors = {
+                k: reader.read(k, ShardSpec.full(reader.header(k)["shape"]))
+                for k in reader.names()
+                if k.rsplit(".", 1)[0] in own
+            }
+        view.load(groups, tensors, scalars)
 
     return apply
 
@@ -388,7 +408,12 @@ def load_optimizer(
 
     ``verify`` (default) checks the bytes read against the manifest's checksums; a plain torch optimizer is left
     untouched when they do not match (it is loaded after every tensor was read), a sharded one may be partly
-    loaded. ``group``: the ranks that load a sharded optimizer together (default: the world).
+    loaded. ``group``: the ranks that load together (default: the world).
+
+    The names are checked as the union over the ranks of ``group``, so ranks that hold different parameters
+    (pipeline stages) load a checkpoint of the whole model, and one process loads theirs; each rank restores the
+    state and hyperparameters of its own parameters only (a plain optimizer reads only their tensors), its group
+    i from the checkpoint's group i. A parameter of any rank that the checkpoint lacks raises on every rank.
     """
     wait()
     prepare_optimizer_load(

@@ -11,10 +11,13 @@ from cai.mesh import LocalShard, ShardSpec, param_groups_state
 
 
 def param_name_map(optimizer: torch.optim.Optimizer, param_names: Any) -> dict[int, str]:
-    """id(param) -> name, from a model (its ``named_parameters``), a dict param -> name, or a list of names."""
+    """id(param) -> name, from a model (its ``named_parameters``; a pipeline stage's ``global_named_parameters``, the
+    full model's names), a dict param -> name, or a list of names."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if isinstance(param_names, nn.Module):
-        names = {id(p): n for n, p in param_names.named_parameters()}
+        # A stage's own names would repeat across stages (each has a "layers.0"); the full model's do not.
+        named = getattr(param_names, "global_named_parameters", param_names.named_parameters)
+        names = {id(p): n for n, p in named()}
     elif isinstance(param_names, dict):
         names = {id(p): n for p, n in param_names.items()}
     elif isinstance(param_names, (list, tuple)):

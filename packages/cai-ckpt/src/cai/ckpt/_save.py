@@ -45,7 +45,9 @@ def write_sharded(
     size_per_shard: float,
     out_dtype: Callable[[str, torch.dtype], torch.dtype],
     use_async: bool,
-) -> None:
+    extra: Any = None,
+    merge: Callable[[list[Any]], Any] = list,
+) -> Any:
     """Write ``state`` (pieces of global tensors, by name; a list where a rank holds several pieces of one
     tensor) as full tensors into ``txn``'s ``subdir``.
 
@@ -60,6 +62,7 @@ def write_sharded(
     meta = local_metadata(state)
     held = {name: {s.spec: s.tensor for s in pieces(entry)} for name, entry in state.items()}
     meta["failed"] = txn.failed
+    meta["extra"] = extra
     metas = [meta]
     if world > 1:
         metas = [None] * world
@@ -68,6 +71,7 @@ def write_sharded(
         if m["failed"]:
             # A rank failed in an earlier part of this checkpoint: every rank stops here, together.
             raise SaveFailed(txn.final, r, m["failed"])
+    merged = merge([m["extra"] for m in metas])
     files, aliases = make_plan(metas, prefix=prefix, size_per_shard_mb=size_per_shard, out_dtype=out_dtype)
     comm_device = torch.device("cpu")
     if world > 1 and dist.get_backend(group) == "nccl":
@@ -160,6 +164,7 @@ def write_sharded(
             "weight_map": {t.name: f.name for f in files for t in f.tensors},
         }
         txn.record(join(subdir, index_name), write_json(txn.path(join(subdir, index_name)), index))
+    return merged
 
 
 def _assemble(t, held, metas, rank, group, comm_device, raw: bool = False) -> torch.Tensor:

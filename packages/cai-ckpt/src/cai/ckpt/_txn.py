@@ -61,6 +61,16 @@ def dist_info(group: Any = None) -> tuple[int, int]:
     return 0, 1
 
 
+def everyone(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (small, picklable), by rank in ``group``; ``[obj]`` in one process."""
+    _, world = dist_info(group)
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def global_rank(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
