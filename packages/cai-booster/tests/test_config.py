@@ -101,7 +101,7 @@ def test_ddp_arguments() -> None:
 
 def test_execute_pipeline_names_the_plugins_that_support_it() -> None:
     booster = Booster(device="cpu")
-    with raises("TorchDDPPlugin has no pipeline parallelism; plugins that support it: none yet"):
+    with raises("TorchDDPPlugin has no pipeline parallelism; plugins that support it: HybridParallelPlugin"):
         booster.execute_pipeline(iter([]), None, None)
 
 

@@ -29,6 +29,10 @@ class ShardConfig:
             group (the sp group is the tp group); "all_to_all" (Ulysses) and "ring_attn" run on
             `sequence_parallel_process_group` (see `cai.shardformer._sp_attention`). A policy applies the modes
             it lists in `sequence_parallel_modes`.
+        sync_sp_grads: under "all_to_all" and "ring_attn", sum every parameter's gradient over the sp group when
+            backward ends (see [Note: gradients of parameters under sequence parallelism]), as one process would
+            have it. False leaves each rank the gradient of its own tokens, for a caller that sums them itself (a
+            ZeRO optimizer whose reduction group spans dp x sp, as cai's HybridParallelPlugin does).
         enable_all_optimization: turns on the fused normalization (the only optimization built).
         enable_flash_attention, enable_jit_fused: accepted for compatibility, no effect; attention runs through
             the model's own attention implementation (SDPA by default in transformers).
@@ -60,6 +64,7 @@ class ShardConfig:
     moe_dp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
     fp8_communication: bool = False
+    sync_sp_grads: bool = True
 
     def __post_init__(self) -> None:
         mode = self.sequence_parallelism_mode

@@ -24,7 +24,9 @@ unsplit mean; backward from it gives each rank the gradient of its own terms.
 Every parameter is replicated across the sp group and each rank's backward sees only its own tokens, so the
 parameters' gradients are all-reduced (summed) over the sp group, in one flat all-reduce when backward ends
 (`_sync_grads`). After backward every rank holds the gradient of the whole sequence, as in one process; a
-data-parallel wrapper then runs over the dp axis only (not over dp x sp).
+data-parallel wrapper then runs over the dp axis only (not over dp x sp). A caller that reduces gradients itself
+turns this off (`ShardConfig(sync_sp_grads=False)`) and sums over sp in its own collective: cai's
+HybridParallelPlugin reduces cai-zero's buckets over dp x sp, divided by dp only (`grad_divisor`).
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def install_sp_attention(model: nn.Module, cfg: ShardConfig, attention: dict[str
         path = attention.get(type(module).__name__)
         if path is not None:
             module.get_submodule(path).cai_sp_group = group
-    _sync_grads(model, group)
+    if cfg.sync_sp_grads:
+        _sync_grads(model, group)
     signature = inspect.signature(model.forward)
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     order: list[torch.Tensor] = []  # the current call's gather order (set in pre, read in post)

@@ -64,6 +64,10 @@ class ZeroOptimizer:
         shared: parameter name -> process group of ranks that each hold a copy of it which must take the same step
             (a tied input embedding and LM head on the first and last pipeline stage). Its gradient shard is
             summed over that group once per step (see [Note: shared parameters]). Default: none.
+        grad_divisor: the reduced gradient is the group's sum divided by this; default (None) the group's size,
+            an average, as DDP. Pass the number of data-parallel replicas when the group also spans ranks whose
+            gradients are parts of one replica's gradient that must be summed (sequence parallelism: each rank of a
+            replica's sp group holds the gradient of its own tokens), so one collective both sums and averages.
 
     Example::
 
@@ -102,6 +106,7 @@ class ZeroOptimizer:
         norm_groups: Iterable[dist.ProcessGroup] = (),
         replicas: Mapping[str, int] = _NONE,
         shared: Mapping[str, dist.ProcessGroup] = _NONE,
+        grad_divisor: int | None = None,
     ) -> None:
         self.optim = optimizer
         self.config = config = config or ZeroConfig()
@@ -114,6 +119,13 @@ class ZeroOptimizer:
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         else:
             self.world_size, self.rank = 1, 0
+        if grad_divisor is not None and (
+            not isinstance(grad_divisor, int) or not 1 <= grad_divisor <= self.world_size
+        ):
+            raise ValueError(
+                f"ZeroOptimizer: grad_divisor={grad_divisor!r} must be an int in [1, {self.world_size}] (the group size)"
+            )
+        self.grad_divisor = grad_divisor or self.world_size
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("ZeroOptimizer: the optimizer already has state; wrap it before its first step")
 
@@ -349,7 +361,7 @@ class ZeroOptimizer:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if self.world_size > 1:
-                grad.div_(self.world_size)  # before the sum, so fp16 gradients do not overflow in it
+                grad.div_(self.grad_divisor)  # before the sum, so fp16 gradients do not overflow in it
                 if self.config.stage == 2:
                     out = torch.empty(b.shard, dtype=grad.dtype, device=self.device)
                     reduce_scatter_tensor(out, grad, group=self.group)

@@ -255,7 +255,7 @@ class HybridParallelPlugin(Plugin):
         if self._mesh is None:
             dims = self.config.dims()
             self._mesh = dims.build_mesh()
-            for axis in ("pp", "dp", "sp", "tp"):
+            for axis in ("pp", "dp", "sp", "tp", ("dp", "sp")):
                 self._mesh.group(axis)  # every rank creates the groups in the same order
         return self._mesh
 
@@ -367,6 +367,7 @@ class HybridParallelPlugin(Plugin):
             sequence_parallelism_mode=cfg.sequence_parallelism_mode,
             parallel_output=cfg.parallel_output,
             make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+            sync_sp_grads=False,  # summed in cai-zero's reduction over dp x sp (see _zero)
         )
         sharded, _ = ShardFormer(shard_config).optimize(model, cfg.custom_policy)
         return sharded
@@ -413,15 +414,19 @@ class HybridParallelPlugin(Plugin):
         replicas = _replicas(module, rename, self.tp_group if self.tp_size > 1 else None, named)
         for n in shared:
             replicas[n] = replicas.get(n, 1) * 2
+        # With a sequence-parallel axis of its own, each sp rank holds the gradient of its tokens: the buckets are
+        # reduced over dp x sp in one collective, summed over sp and averaged over dp (and sharded over both).
+        group = self.mesh.group(("dp", "sp")) if self.sp_size > 1 else self.dp_group
         return ZeroOptimizer(
             optimizer,
             model=named,
             config=cfg.zero,
             loss_scale=cfg.loss_scale if cfg.precision == "fp16" else None,
-            group=self.dp_group,
+            group=group,
             norm_groups=norm_groups,
             replicas=replicas,
             shared=shared,
+            grad_divisor=self.mesh.size("dp") if self.sp_size > 1 else None,
         )
 
     # ---- training ---------------------------------------------------------------------------------------------

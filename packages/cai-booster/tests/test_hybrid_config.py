@@ -1,0 +1,108 @@
+"""HybridParallelPlugin's configuration: Colossal-AI's keywords and defaults, and every misconfiguration refused
+when the plugin is built, with a message that names the values and a setting that works."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cai.booster.plugin import HybridParallelConfig, HybridParallelPlugin, PipelineConfig
+from cai.zero import ZeroConfig
+
+
+def raises(match: str, kind: type[Exception] = ValueError):
+    return pytest.raises(kind, match=re.escape(match))
+
+
+def test_colossal_defaults_and_keywords() -> None:
+    cfg = HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=4).config
+    assert (cfg.precision, cfg.zero.stage, cfg.loss_scale.initial_scale) == ("fp16", 0, 2**16)
+    assert cfg.zero.bucket_size_mb == 12 * 4  # zero_bucket_size_in_m counts millions of fp32 elements
+    assert cfg.pipeline == PipelineConfig(num_microbatches=4)
+    cfg = HybridParallelPlugin(
+        tp_size=1, pp_size=2, zero_stage=1, precision="bf16", microbatch_size=1, pp_style="interleaved",
+        num_model_chunks=2, max_norm=1.0, num_layers_per_stage=[1, 2, 2, 1],
+    ).config  # fmt: skip
+    assert (cfg.zero.stage, cfg.zero.max_norm, cfg.pipeline.style) == (1, 1.0, "interleaved")
+    assert cfg.pipeline.num_layers_per_stage == (1, 2, 2, 1)
+    # Colossal-AI's default mode when sequence parallelism is switched on
+    cfg = HybridParallelPlugin(tp_size=1, pp_size=1, sp_size=2, enable_sequence_parallelism=True).config
+    assert (cfg.sequence_parallelism_mode, cfg.sp_size) == ("all_to_all", 2)
+    assert HybridParallelPlugin(tp_size=2, pp_size=1, enable_all_optimization=True).config.fused_normalization
+    # accepted for compatibility, with no effect (the reasons are in the table)
+    HybridParallelPlugin(
+        tp_size=2, pp_size=1, enable_flash_attention=True, dp_outside=False, overlap_p2p=False
+    )
+
+
+def test_config_object_and_conflicting_keyword() -> None:
+    cfg = HybridParallelConfig(tp_size=2, zero=ZeroConfig(stage=1))
+    assert HybridParallelPlugin(config=cfg).config is cfg
+    with raises("zero_stage=2 conflicts with config.zero.stage=1"):
+        HybridParallelPlugin(config=cfg, zero_stage=2)
+
+
+def test_sizes_that_do_not_fit_the_world() -> None:
+    with raises("tp (3)"):
+        HybridParallelConfig(tp_size=3, pp_size=1).dims(world_size=4)
+    with raises("tp_size=0 must be a positive int"):
+        HybridParallelPlugin(tp_size=0, pp_size=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(tp_size=1, pp_size=2, zero_stage=2, num_microbatches=2), "zero_stage=2 with pp_size=2"),
+        (dict(tp_size=1, pp_size=2), "pp_size=2 needs num_microbatches or microbatch_size"),
+        (dict(tp_size=1, pp_size=2, num_microbatches=2, microbatch_size=1), "not both"),
+        (dict(tp_size=1, pp_size=2, num_microbatches=2, pp_style="gpipe"), "pp_style='gpipe'"),
+        (
+            dict(tp_size=1, pp_size=2, num_microbatches=2, pp_style="interleaved"),
+            "needs num_model_chunks >= 2",
+        ),
+        (dict(tp_size=1, pp_size=2, num_microbatches=2, pp_style="zbv", num_model_chunks=3), "== 2"),
+        (dict(tp_size=1, pp_size=1, pp_style="interleaved", num_model_chunks=2), "needs pp_size > 1"),
+        (dict(tp_size=1, pp_size=1, sp_size=2), "sp_size=2 without sequence parallelism"),
+        (
+            dict(
+                tp_size=1,
+                pp_size=1,
+                enable_sequence_parallelism=True,
+                sequence_parallelism_mode="split_gather",
+            ),
+            "splits the sequence over the tp group, but tp_size=1",
+        ),
+        (
+            dict(
+                tp_size=2,
+                pp_size=1,
+                sp_size=2,
+                enable_sequence_parallelism=True,
+                sequence_parallelism_mode="ring",
+            ),
+            "sp_size=2 would be a second axis",
+        ),
+        (dict(tp_size=2, pp_size=1, sequence_parallelism_mode="ring"), "enable_sequence_parallelism=False"),
+        (dict(tp_size=2, pp_size=1, precision="fp8"), "fp8"),
+        (dict(tp_size=2, pp_size=1, scheduler_nodes=[1]), "scheduler_nodes=[1] is not supported"),
+        (dict(tp_size=2, pp_size=1, use_fp8=True), "fp8 is not implemented"),
+        (dict(tp_size=2, pp_size=1, zero_bucket_size_in_m=0), "zero_bucket_size_in_m=0 must be > 0"),
+    ],
+)
+def test_misconfiguration_is_refused_at_construction(kwargs: dict, message: str) -> None:
+    with raises(message):
+        HybridParallelPlugin(**kwargs)
+
+
+def test_unknown_keyword_suggests_the_close_one() -> None:
+    with raises("'tp_sise' (did you mean 'tp_size'?)", TypeError):
+        HybridParallelPlugin(tp_sise=2, pp_size=1)
+
+
+def test_checkpoint_config_other_than_every_layer_is_refused() -> None:
+    class Partial:
+        gradient_checkpointing_ratio = 0.5
+
+    with raises("gradient_checkpointing_ratio=0.5"):
+        HybridParallelPlugin(tp_size=2, pp_size=1, gradient_checkpoint_config=Partial())
