@@ -32,6 +32,24 @@ def tiny_llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).float()
 
 
+def hybrid_llama(tied: bool, layers: int = 8) -> torch.nn.Module:
+    """A tiny Llama that tensor parallelism (4 heads, 2 kv heads) and pipelines (8 blocks: pp 4 x 2 chunks) can
+    cut; the prime vocabulary is padded under tp and must never leak out."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).float()
+
+
 def make_plugin(name: str):
     from cai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 

@@ -23,10 +23,11 @@ from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
+from _booster_cases import VOCAB, hybrid_llama  # noqa: E402
+
 STEPS = 20
 GLOBAL_BATCH = 8
 SEQ = 16
-VOCAB = 251  # prime: tensor parallelism pads it (to 256 at tp 2), and the padding must never leak out
 LR = 1e-3
 EPS = 1e-4  # see test_parity_matrix.py: keeps Adam's update smooth in gradients near zero
 MAX_NORM = 0.05  # below the gradient norm of every step, so clipping is active throughout
@@ -121,22 +122,6 @@ class Case:
 CASES = [Case(layout=lay, mode=m) for lay in LAYOUTS for m in MODES]
 
 
-def tiny_llama(tied: bool) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=8,  # pp 4 x 2 chunks: one block per virtual stage
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float()
-
-
 def batch(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
@@ -148,7 +133,7 @@ def rows(b: dict[str, torch.Tensor], part: int, parts: int) -> dict[str, torch.T
 
 
 def reference_run(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = tiny_llama(case.layout.tied)
+    model = hybrid_llama(case.layout.tied)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     micro = 2 if case.mode == "accum" else 1
     losses = []
@@ -185,7 +170,7 @@ def boosted_run(case: Case) -> float:
     plugin = HybridParallelPlugin(precision="fp32", max_norm=MAX_NORM if case.mode == "clip" else 0.0,
                                   **case.layout.plugin_kwargs())  # fmt: skip
     booster = Booster(plugin=plugin, device="cpu")
-    model = tiny_llama(case.layout.tied)
+    model = hybrid_llama(case.layout.tied)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     model, opt, *_ = booster.boost(model, opt)
     dp, dp_rank = plugin.mesh.size("dp"), plugin.mesh.coordinate("dp")

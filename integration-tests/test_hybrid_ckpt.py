@@ -1,0 +1,241 @@
+"""Checkpoints of HybridParallelPlugin against other layouts, both ways: two hybrid layouts (tp 2 x pp 2 with tied
+embeddings, pp 2 x dp 2 with ZeRO-1) save and load against LowLevelZero at dp 2 and one process, and against
+each other.
+
+After 3 steps the saver writes the model and the optimizer and trains 5 more steps. The loader, in another layout,
+reads both: its parameters must equal the saved ones bit for bit (fp32 masters are what is written), and its next
+5 losses must equal the saver's (to 1e-5: the layouts sum in different orders). A save/load_state resume of a
+hybrid layout continues exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from cai.mesh import LocalShard, assemble
+from cai.mesh.testing import assert_close, run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+from _booster_cases import VOCAB, hybrid_llama  # noqa: E402
+
+SEQ = 12
+GLOBAL_BATCH = 8
+LAYERS = 4
+TIED = True  # the tied weight lives on the first and the last stage under tp 2 x pp 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    name: str
+    world: int
+
+    def plugin(self):
+        from cai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+
+        if self.name == "one":
+            return TorchDDPPlugin()
+        if self.name == "zero2-dp2":
+            return LowLevelZeroPlugin(stage=2, precision="fp32")
+        if self.name == "tp2xpp2":
+            return HybridParallelPlugin(
+                tp_size=2, pp_size=2, zero_stage=1, precision="fp32", num_microbatches=2
+            )
+        if self.name == "pp2xdp2":
+            return HybridParallelPlugin(
+                tp_size=1, pp_size=2, zero_stage=1, precision="fp32", num_microbatches=2
+            )
+        raise ValueError(self.name)
+
+
+LAYOUTS = {
+    lay.name: lay
+    for lay in (
+        Layout(name="one", world=1),
+        Layout(name="zero2-dp2", world=2),
+        Layout(name="tp2xpp2", world=4),
+        Layout(name="pp2xdp2", world=4),
+    )
+}
+HYBRID = ("tp2xpp2", "pp2xdp2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pair:
+    save: str
+    load: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.save}-to-{self.load}"
+
+
+PAIRS = [Pair(save=h, load=o) for h in HYBRID for o in ("one", "zero2-dp2")]
+PAIRS += [Pair(save=o, load=h) for h in HYBRID for o in ("one", "zero2-dp2")]
+PAIRS += [Pair(save="tp2xpp2", load="pp2xdp2"), Pair(save="pp2xdp2", load="tp2xpp2")]
+
+
+def boosted(layout: Layout, scheduler: bool = False):
+    from cai.booster import Booster
+
+    model = hybrid_llama(TIED, layers=LAYERS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if scheduler else None
+    booster = Booster(plugin=layout.plugin(), device="cpu")
+    model, opt, _, _, sched = booster.boost(model, opt, lr_scheduler=sched)
+    return booster, model, opt, sched
+
+
+def _dp(booster) -> tuple[int, int, dist.ProcessGroup | None]:
+    plugin = booster.plugin
+    if hasattr(plugin, "mesh"):
+        return plugin.mesh.size("dp"), plugin.mesh.coordinate("dp"), plugin.dp_group
+    return dist.get_world_size(), dist.get_rank(), None
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def train_step(booster, model, opt, ids: torch.Tensor) -> float:
+    """One step on this data-parallel rank's rows of the global batch ``ids``; returns the global batch's loss."""
+    size, rank, _ = _dp(booster)
+    return local_step(booster, model, opt, ids.chunk(size)[rank])
+
+
+def local_step(booster, model, opt, mine: torch.Tensor) -> float:
+    """One step on this data-parallel rank's batch ``mine``; returns the loss averaged over the replicas."""
+    size, _, group = _dp(booster)
+    part = {"input_ids": mine, "labels": mine}
+    if getattr(booster.plugin, "pp_size", 1) > 1:
+        loss = booster.execute_pipeline(iter([part]), model, lambda out, _b: out["loss"], opt)["loss"]
+    else:
+        loss = model(**part).loss
+        booster.backward(loss, opt)
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total.item() / size
+
+
+def gathered(booster, model) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor assembled from all ranks' pieces of the plugin's state."""
+    pieces: dict[str, list] = {}
+    for n, entry in booster.plugin.model_state(model).sharded_state_dict().items():
+        for s in entry if isinstance(entry, list) else [entry]:
+            pieces.setdefault(n, []).append((s.tensor.detach().float().clone(), s.spec))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    names = sorted({n for r in everyone for n in r})
+    return {n: assemble([LocalShard(*p) for r in everyone for p in r.get(n, [])]) for n in names}
+
+
+def shared_tmpdir() -> str:
+    obj = [tempfile.mkdtemp(prefix="cai-hybrid-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+def save_run(name: str) -> dict:
+    booster, model, opt, _ = boosted(LAYOUTS[name])
+    for step in range(3):
+        train_step(booster, model, opt, batch(step))
+    path = shared_tmpdir()
+    booster.save_model(model, os.path.join(path, "model"), shard=True, size_per_shard=0.01)
+    booster.save_optimizer(opt, os.path.join(path, "optim"), shard=True, size_per_shard=0.01)
+    params = gathered(booster, model)
+    losses = [train_step(booster, model, opt, batch(step)) for step in range(3, 8)]
+    return {"path": path, "losses": losses, "params": params}
+
+
+def load_run(name: str, path: str) -> dict:
+    booster, model, opt, _ = boosted(LAYOUTS[name])
+    booster.load_model(model, os.path.join(path, "model"))
+    booster.load_optimizer(opt, os.path.join(path, "optim"))
+    params = gathered(booster, model)
+    losses = [train_step(booster, model, opt, batch(step)) for step in range(3, 8)]
+    return {"losses": losses, "params": params}
+
+
+_SAVED: dict[str, dict] = {}
+
+
+def saved(name: str) -> dict:
+    if name not in _SAVED:
+        _SAVED[name] = run_distributed(save_run, LAYOUTS[name].world, name, timeout=240)[0]
+    return _SAVED[name]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.id)
+def test_hybrid_checkpoints_load_under_other_layouts(pair: Pair) -> None:
+    ref = saved(pair.save)
+    got = run_distributed(load_run, LAYOUTS[pair.load].world, pair.load, ref["path"], timeout=240)[0]
+    assert_close(got["params"], ref["params"], rtol=0, atol=0, name="params after load")
+    assert_close(
+        torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, name="losses after load"
+    )
+
+
+def test_hybrid_checkpoint_loads_in_from_pretrained() -> None:
+    ref = saved("tp2xpp2")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(ref["path"], "model"))
+    assert_close(
+        {n: p.detach() for n, p in hf.named_parameters()},
+        {n: ref["params"][n] for n, _ in hf.named_parameters()},
+        rtol=0,
+        atol=0,
+        name="from_pretrained",
+    )
+
+
+class Tokens(Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
+
+
+def resume_run(name: str) -> dict:
+    """6 steps straight vs 3 steps + save_state + new objects + load_state + 3 steps, with a data loader that
+    gives each data-parallel rank its own rows."""
+
+    def loop(booster, model, opt, sched, loader, steps: int, path: str | None) -> list[float]:
+        losses = []
+        it = iter(loader)
+        for _ in range(steps):
+            losses.append(local_step(booster, model, opt, next(it)))
+            sched.step()
+        if path is not None:
+            booster.save_state(
+                path, step=steps, model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader
+            )
+        return losses
+
+    def fresh():
+        booster, model, opt, sched = boosted(LAYOUTS[name], scheduler=True)
+        loader = booster.plugin.prepare_dataloader(Tokens(), batch_size=4, shuffle=True, seed=11)
+        return booster, model, opt, sched, loader
+
+    straight = loop(*fresh(), steps=6, path=None)
+    path = shared_tmpdir()
+    first = loop(*fresh(), steps=3, path=path)
+    booster, model, opt, sched, loader = fresh()
+    info = booster.load_state(path, model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader)
+    assert info["step"] == 3
+    second = loop(booster, model, opt, sched, loader, steps=3, path=None)
+    return {"straight": straight, "resumed": first + second}
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_save_state_resumes_exactly(name: str) -> None:
+    for r in run_distributed(resume_run, LAYOUTS[name].world, name, timeout=240):
+        assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"]), rtol=0, name="resumed losses")
