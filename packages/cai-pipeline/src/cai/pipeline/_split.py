@@ -45,7 +45,9 @@ class _AbsentEmbedding(nn.Module):
         super().__init__()
         self.dim = dim
         # A 0-d buffer that follows .to(); not persistent, so it never reaches a checkpoint.
-        self.register_buffer("zero", torch.zeros((), dtype=like.dtype, device=like.device), persistent=False)
+        # On a lazy (meta) model the buffer is made on the CPU, so that materialising the stage can move it.
+        device = like.device if like.device.type != "meta" else torch.device("cpu")
+        self.register_buffer("zero", torch.zeros((), dtype=like.dtype, device=device), persistent=False)
 
     def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.zero.expand(*ids.shape, self.dim)

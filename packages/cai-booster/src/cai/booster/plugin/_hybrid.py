@@ -35,7 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cai.booster._lazy import initialise, is_lazy, materialize
 from cai.booster._precision import check_precision, precision_dtype
+from cai.booster._pretrained import load_pretrained_into
+from cai.booster._replicas import broadcast_tensors
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
 from cai.booster.plugin._base import BoostContext, Boosted, Capabilities, Plugin, lora_plugins
 from cai.booster.plugin._compat import HYBRID_ARGS, config_from_kwargs, hybrid_sp_kwargs
@@ -326,16 +329,20 @@ class HybridParallelPlugin(Plugin):
     ) -> Boosted:
         cfg = self.config
         aliases = _aliases(model)
-        place_replicated(model, ctx)
+        lazy = is_lazy(model)
+        if not lazy:
+            place_replicated(model, ctx)
         if cfg.gradient_checkpointing:
             _enable_checkpointing(model)
         model = self._shard(model)
         module: nn.Module = self._split(model) if self.pp_size > 1 else model
+        rename = module.global_name if self.pp_size > 1 else _same
+        if lazy:
+            self._materialize(module, rename, ctx)
         dtype = precision_dtype(cfg.precision)
         module.to(dtype)
         if self.pp_size == 1 and dtype != torch.float32:
             _cast_floating_inputs(module, dtype)
-        rename = module.global_name if self.pp_size > 1 else _same
         boosted = ModelWrapper(module)
         object.__setattr__(boosted, "_cai_rename", rename)
         if optimizer is None:
@@ -396,6 +403,16 @@ class HybridParallelPlugin(Plugin):
         return build_stages(
             model, self._manager, local_state=LocalState(sharded_state_dict, load_sharded_state_dict)
         )
+
+    def _materialize(self, module: nn.Module, rename: Callable[[str], str], ctx: BoostContext) -> None:
+        """Allocate and fill a lazy model's parameters after sharding and splitting: each rank allocates only its
+        own tp blocks of its own stages (see [Note: lazy init under hybrid parallelism])."""
+        materialize(module, ctx.device, init=False)
+        if ctx.pretrained is not None:
+            load_pretrained_into(_RenamedState(module, rename), ctx.pretrained)
+            return
+        _initialise(module)
+        _agree(module, rename, self)
 
     def _zero(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, named: list, rename: Callable
@@ -545,14 +562,7 @@ def _replicas(
     from cai.shardformer import sharded_state_dict
 
     names = {n for n, _ in named}
-    mine = {
-        n: [
-            (s.spec.offsets, s.spec.block_shape, s.spec.flat_range)
-            for s in (e if isinstance(e, list) else [e])
-        ]
-        for n, e in sharded_state_dict(module, rename).items()
-        if n in names
-    }
+    mine = {n: _spec_key(e) for n, e in sharded_state_dict(module, rename).items() if n in names}
     everyone: list[Any] = [None] * dist.get_world_size(tp_group)
     dist.all_gather_object(everyone, mine, group=tp_group)
     out = {}
@@ -561,6 +571,62 @@ def _replicas(
         if copies > 1:
             out[n] = copies
     return out
+
+
+# [Note: lazy init under hybrid parallelism]
+# A model built under LazyInitContext is sharded and split while its parameters are still on the meta device, so a
+# rank allocates only what it keeps. From ``from_pretrained``, each rank then reads its blocks from the safetensors
+# files. With random initialisation each rank draws its own values, so the copies that must agree are made equal
+# afterwards, from the lowest rank holding each: every tensor over dp x sp (the replicas of one tp block of one
+# stage), tensors held identically by several tp ranks (norm weights; kv heads replicated over tp) over tp, and a
+# tied head copy from the first stage's embedding.
+def _agree(module: nn.Module, rename: Callable[[str], str], plugin: HybridParallelPlugin) -> None:
+    from cai.shardformer import sharded_state_dict
+
+    replicas = plugin.mesh.group(
+        ("dp", "sp")
+    )  # buffers stayed real (LazyInitContext): computed alike on every rank
+    broadcast_tensors(list(module.parameters()), src=dist.get_global_rank(replicas, 0), group=replicas)
+    if plugin.tp_size > 1:
+        tp = plugin.tp_group
+        params = dict(_named_parameters(module, rename))
+        specs = {n: _spec_key(e) for n, e in sharded_state_dict(module, rename).items() if n in params}
+        everyone: list[Any] = [None] * plugin.tp_size
+        dist.all_gather_object(everyone, specs, group=tp)
+        with torch.no_grad():
+            for n, spec in sorted(specs.items()):
+                holders = [r for r, other in enumerate(everyone) if other.get(n) == spec]
+                if len(holders) < 2:
+                    continue  # a block of its own: nothing to agree on
+                p = params[n]
+                got = [torch.empty_like(p) for _ in range(plugin.tp_size)]
+                dist.all_gather(got, p.detach().contiguous(), group=tp)
+                p.copy_(got[holders[0]])
+    tied = getattr(module, "tied_group", None)
+    if tied is not None:
+        broadcast_tensors(module.shared_params(), src=min(dist.get_process_group_ranks(tied)), group=tied)
+
+
+def _initialise(module: nn.Module) -> None:
+    """Random values for a materialised model: each (stage's) Hugging Face model's own scheme, and for
+    cai-shardformer's parallel layers, which that scheme does not know, the one it uses for linear and embedding
+    layers (normal with the config's ``initializer_range``, biases zero)."""
+    from cai.shardformer import ParallelModule
+
+    models = [c.module for c in module.chunks] if hasattr(module, "chunks") else [module]
+    for m in models:
+        initialise(m, list(m.modules()))
+    std = getattr(getattr(module, "config", None), "initializer_range", 0.02)
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, ParallelModule):
+                for p in m.parameters(recurse=False):
+                    p.normal_(0.0, std) if p.dim() > 1 else p.zero_()
+
+
+def _spec_key(entry: Any) -> list[tuple]:
+    pieces = entry if isinstance(entry, list) else [entry]
+    return [(s.spec.offsets, s.spec.block_shape, s.spec.flat_range) for s in pieces]
 
 
 def _enable_checkpointing(model: nn.Module) -> None:
