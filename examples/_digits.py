@@ -68,10 +68,11 @@ class DigitReversal(Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample. Causal attention never looks right, so padding changes nothing
-    before it, and its labels are ignored."""
-    width = max(s["input_ids"].numel() for s in samples)
+def collate(samples: list[dict[str, torch.Tensor]], *, pad_to: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample, rounded up to a multiple of ``pad_to`` (sequence parallelism cuts the
+    sequence evenly). Causal attention never looks right, so padding changes nothing before it, and its labels
+    are ignored."""
+    width = -(-max(s["input_ids"].numel() for s in samples) // pad_to) * pad_to
     ids = torch.full((len(samples), width), PAD, dtype=torch.long)
     labels = torch.full((len(samples), width), IGNORE, dtype=torch.long)
     for row, s in enumerate(samples):

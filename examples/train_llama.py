@@ -9,6 +9,10 @@ On GPUs (one process per GPU, NCCL, bf16)::
 
     cai run --nproc_per_node 8 examples/train_llama.py --plugin zero2 --steps 2000 --batch-size 256
 
+Tensor x pipeline (x sequence) x data parallelism with ZeRO-1 (CPU: tp x pp x sp gloo processes, here 4)::
+
+    python examples/train_llama.py --plugin hybrid --tp 2 --pp 2
+
 The model is built from a ``LlamaConfig`` (hidden 128, 4 layers, ~0.66M parameters) and the data is generated on
 the fly (``<bos> 3 1 4 <sep> 4 1 3 <eos>``, loss on the answer only), so nothing is downloaded. The run trains
 ``--steps`` steps, saves a checkpoint at ``--save-at`` (default halfway), rebuilds the model and optimizer from
@@ -22,6 +26,7 @@ Without a launcher (no ``RANK``/``WORLD_SIZE`` in the environment) it spawns ``-
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -33,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples' helper
 import torch
 import torch.distributed as dist
 from _digits import BOS, EOS, PAD, VOCAB_SIZE, DigitReversal, DigitTask, collate, exact_match
-from _launch import default_nproc, resolve_device, run
+from _launch import default_nproc, launched_externally, resolve_device, run
 from _models import digit_llama_config
 from _perf import ModelShape, ProgressBar, Throughput, peak_memory_gib, synchronize
-from _plugins import PLUGINS, PluginChoice, make_booster
+from _plugins import PLUGINS, SP_MODES, HybridLayout, PluginChoice, make_booster
 
 PROBE_SEED, EVAL_SEED = 10_000_019, 20_000_003  # held-out data: far from the training seeds
 
@@ -87,6 +92,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("-g", "--grad-ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--log-every", type=int, default=10)
+    hybrid = p.add_argument_group("--plugin hybrid (HybridParallelPlugin; dp = world / (tp x pp x sp))")
+    hybrid.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 1)")
+    hybrid.add_argument("--pp", type=int, default=None, help="pipeline stages, 1F1B schedule (default 1)")
+    hybrid.add_argument("--sp", type=int, default=None, help="sequence-parallel axis size (default 1)")
+    hybrid.add_argument(
+        "--sp-mode",
+        choices=SP_MODES,
+        default=None,
+        help="sequence parallelism: split_gather/ring over the tp group, all_to_all/ring_attn over --sp "
+        "(default all_to_all when --sp > 1, else off)",
+    )
+    hybrid.add_argument(
+        "--zero-stage",
+        type=int,
+        default=None,
+        help="ZeRO stage over dp: 0, 1 or 2 (default 1; 2 needs --pp 1)",
+    )
+    hybrid.add_argument(
+        "--microbatches", type=int, default=None, help="micro-batches per batch with --pp > 1 (default 4)"
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         p.error(f"--steps {args.steps} and --batch-size {args.batch_size} must be >= 1")
@@ -94,7 +119,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.save_at = args.steps // 2
     if not 0 <= args.save_at <= args.steps:
         p.error(f"--save-at {args.save_at} must be in [0, --steps {args.steps}]")
+    try:
+        args.layout = hybrid_layout(args)
+        args.world = world_size(args)
+        dp = args.layout.dp_size(args.world) if args.layout else args.world
+        if args.batch_size % dp:
+            raise ValueError(
+                f"--batch-size {args.batch_size} must be a multiple of the data-parallel size {dp} "
+                f"(world {args.world}"
+                + (f" / tp x pp x sp {args.layout.model_parallel})" if args.layout else ")")
+            )
+        if args.layout:
+            args.layout.check_model(heads=args.heads, kv_heads=args.heads, layers=args.layers)
+            args.layout.check_batch(args.batch_size // dp, flag=f"--batch-size {args.batch_size}")
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def hybrid_layout(args: argparse.Namespace) -> HybridLayout | None:
+    """``--plugin hybrid``'s sizes from the flags; the flags with any other plugin are an error."""
+    flags = {"--tp": args.tp, "--pp": args.pp, "--sp": args.sp, "--sp-mode": args.sp_mode,
+             "--zero-stage": args.zero_stage, "--microbatches": args.microbatches}  # fmt: skip
+    if args.plugin != "hybrid":
+        given = [f"{k} {v}" for k, v in flags.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: HybridParallelPlugin's flags; add --plugin hybrid")
+        return None
+    pp = args.pp or 1
+    return HybridLayout(
+        tp=args.tp or 1,
+        pp=pp,
+        sp=args.sp or 1,
+        sp_mode=args.sp_mode,
+        zero_stage=1 if args.zero_stage is None else args.zero_stage,
+        num_microbatches=(args.microbatches or 4) if pp > 1 else None,
+        vocab_multiple=1,  # 16 tokens: no padding beyond a multiple of tp
+    )
+
+
+def world_size(args: argparse.Namespace) -> int:
+    """The launcher's world size, or the number of workers this script will spawn (``--nproc`` or one per GPU,
+    on CPU two, or tp x pp x sp for --plugin hybrid when that is more)."""
+    if launched_externally():
+        return int(os.environ["WORLD_SIZE"])
+    if args.nproc:
+        return args.nproc
+    nproc = default_nproc(args.device)
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.layout and not on_gpu:
+        nproc = max(nproc, args.layout.model_parallel)
+    return nproc
 
 
 class LinearWarmupDecay:
@@ -120,14 +195,14 @@ class Run:
 
         self.args, self.task, self.device = args, task, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if args.batch_size % self.world:
-            raise ValueError(
-                f"--batch-size {args.batch_size} must be a multiple of the world size {self.world}"
-            )
         precision = args.precision
         if precision == "auto":
             precision = "bf16" if device.type == "cuda" else "fp32"
-        self.choice = PluginChoice(name=args.plugin, precision=precision, max_norm=args.max_norm)
+        self.choice = PluginChoice(
+            name=args.plugin, precision=precision, max_norm=args.max_norm, hybrid=args.layout
+        )
+        # Sequence parallelism cuts every sequence evenly: batches are right-padded to a multiple of this.
+        self.seq_multiple = args.layout.seq_multiple if args.layout else 1
 
         config = digit_llama_config(
             hidden=args.hidden,
@@ -148,19 +223,21 @@ class Run:
         if args.grad_ckpt:
             # Non-reentrant: works under DDP, FSDP2 and ZeRO hooks alike.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.shape = ModelShape.of(model, config)
+        self.config, self.shape = config, ModelShape.of(model, config)
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmupDecay(args.warmup, args.steps))
         self.booster = make_booster(self.choice)
+        # Data is sharded over the data-parallel axis only: the tp/pp/sp ranks of one replica read the same batch.
+        self.dp = self.booster.plugin.dp_size
         data = DigitReversal(task, num_samples=args.steps * args.batch_size, seed=args.seed)
         loader = self.booster.plugin.prepare_dataloader(
             data,
-            batch_size=args.batch_size // self.world,
+            batch_size=args.batch_size // self.dp,
             shuffle=True,
             seed=args.seed,
             drop_last=True,
-            collate_fn=collate,
+            collate_fn=functools.partial(collate, pad_to=self.seq_multiple),
         )
         self.model, self.optimizer, _, self.loader, self.scheduler = self.booster.boost(
             model, optimizer, dataloader=loader, lr_scheduler=scheduler
@@ -179,8 +256,15 @@ class Run:
         batches = itertools.islice(self.loader, until - self.step)
         for batch in batches:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            loss = self.model(**batch).loss
-            self.booster.backward(loss, self.optimizer)
+            if self.choice.pipelined:
+                # Forward and backward of every micro-batch; the loss (their mean) reaches every stage.
+                out = self.booster.execute_pipeline(
+                    iter([batch]), self.model, _hf_loss, self.optimizer, return_loss=True
+                )
+                loss = out["loss"]
+            else:
+                loss = self.model(**batch).loss
+                self.booster.backward(loss, self.optimizer)
             if clip_here:
                 self.optimizer.clip_grad_by_norm(args.max_norm)
             self.optimizer.step()
@@ -191,14 +275,16 @@ class Run:
             steps += 1
             tokens += batch["input_ids"].numel()
             if self.step % args.log_every == 0 or self.step == until:
-                # One all-reduce per log line: the bar shows the mean loss over ranks since the last line.
+                # One all-reduce per log line: the bar shows the mean loss over ranks since the last line
+                # (the ranks of one replica hold the same loss, so this is the mean over replicas).
                 dist.all_reduce(loss_sum)
                 last_loss = float(loss_sum) / (steps * self.world)
                 synchronize(device)
                 seconds = time.perf_counter() - t0
+                # A replica of world / dp ranks shares its batch's work: this device's part is dp / world of it.
                 perf = Throughput.measure(
                     self.shape,
-                    tokens=tokens,
+                    tokens=tokens * self.dp / self.world,
                     seconds=seconds,
                     seq_len=batch["input_ids"].shape[1],
                     grad_ckpt=args.grad_ckpt,
@@ -218,13 +304,22 @@ class Run:
     def probe_loss(self) -> float:
         """Loss on a fixed held-out batch; every rank computes the same one (for sharded models too)."""
         self.model.eval()
-        batch = collate([DigitReversal(self.task, 64, seed=PROBE_SEED)[i] for i in range(64)])
-        loss = self.model(**{k: v.to(self.device) for k, v in batch.items()}).loss
+        rows = _round_up(64, self.args.layout.rows_multiple() if self.args.layout else 1)
+        probe = DigitReversal(self.task, rows, seed=PROBE_SEED)
+        batch = collate([probe[i] for i in range(rows)], pad_to=self.seq_multiple)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        if self.choice.pipelined:
+            # the mean of the micro-batches' losses: computed the same way before saving and after loading
+            out = self.booster.execute_pipeline(iter([batch]), self.model, _hf_loss, return_loss=True)
+            loss = out["loss"]
+        else:
+            loss = self.model(**batch).loss
         return float(loss.float())
 
     def accuracy(self) -> float:
         self.model.eval()
-        return exact_match(self.model, self.task, self.args.eval_samples, EVAL_SEED, self.device)
+        model = HybridLogits(self) if self.args.layout else self.model
+        return exact_match(model, self.task, self.args.eval_samples, EVAL_SEED, self.device)
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save(self, path: str) -> None:
@@ -249,6 +344,55 @@ class Run:
             step=step,
         )
         self.step = int(state["step"])
+
+
+def _hf_loss(outputs: dict, batch: dict) -> torch.Tensor:
+    """The pipeline's criterion: the batch carries labels, so the Hugging Face model computed the loss."""
+    return outputs["loss"]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class HybridLogits:
+    """``input_ids -> logits`` on every rank of a HybridParallelPlugin model, for greedy decoding.
+
+    Pads the sequence on the right to what sequence parallelism cuts evenly (causal attention never looks right,
+    so the real positions' logits are unchanged) and the rows to whole micro-batches; with pp > 1 runs a
+    forward-only pipeline step and broadcasts the last stage's logits over the pipeline group.
+    """
+
+    def __init__(self, run_: Run) -> None:
+        self.run = run_
+        plugin = run_.booster.plugin
+        self.pp_group = plugin.pp_group if run_.choice.pipelined else None
+        if self.pp_group is not None:
+            self.last = dist.get_global_rank(self.pp_group, dist.get_world_size(self.pp_group) - 1)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        run_ = self.run
+        B, T = input_ids.shape
+        rows = _round_up(B, run_.args.layout.rows_multiple())
+        ids = torch.full(
+            (rows, _round_up(T, run_.seq_multiple)), PAD, dtype=input_ids.dtype, device=input_ids.device
+        )
+        ids[:B, :T] = input_ids
+        ids[B:, :T] = input_ids[:1]  # filler rows, dropped below
+        if self.pp_group is None:
+            logits = run_.model(input_ids=ids).logits
+        else:
+            out = run_.booster.execute_pipeline(
+                iter([{"input_ids": ids}]), run_.model, None, return_loss=False, return_outputs=True
+            )
+            shape = (*ids.shape, run_.config.vocab_size)
+            logits = out["outputs"]["logits"] if dist.get_rank() == self.last else None
+            if logits is None:
+                logits = torch.empty(shape, dtype=torch.float32, device=ids.device)
+            logits = logits.float().contiguous()
+            dist.broadcast(logits, src=self.last, group=self.pp_group)
+        return logits[:B, :T]  # (B, T, V)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -310,4 +454,4 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     arguments = parse_args()
-    run(main, arguments, nproc=arguments.nproc or default_nproc(arguments.device))
+    run(main, arguments, nproc=arguments.world)

@@ -52,6 +52,27 @@ def test_train_llama_trains_checkpoints_resumes_and_reports_accuracy(tmp_path: P
 
 
 @pytest.mark.slow
+def test_train_llama_hybrid_tp2_pp2_trains_checkpoints_resumes_and_reports_accuracy(tmp_path: Path) -> None:
+    """The main job through HybridParallelPlugin on 4 gloo processes (tp 2 x pp 2, the 1F1B schedule over 4
+    micro-batches, ZeRO-1): training through execute_pipeline, save_state, a rebuilt run that load_states, and
+    greedy decoding through the pipeline. 8 steps: the cost is the four workers' start and two boosts."""
+    ckpt = tmp_path / "ckpt"
+    out = _run(
+        [str(EXAMPLES / "train_llama.py"), "--plugin", "hybrid", "--tp", "2", "--pp", "2", "--steps", "8",
+         "--save-at", "4", "--log-every", "4", "--eval-samples", "16", "--ckpt-dir", str(ckpt)],
+        timeout=300,
+    )  # fmt: skip
+    assert "plugin HybridParallel tp2 x pp2, ZeRO-1 (fp32) | 4 x cpu (gloo)" in out, out
+    assert re.search(r"step 4/8 .*loss \d+\.\d+ \| [\d,]+ tok/s \| MFU .*% \| mem [\d.]+ GiB", out), out
+    assert "saved checkpoint at step 4" in out, out
+    assert re.search(r"resumed from .* at step 4 \(probe loss [\d.]+, matches the saved run\)", out), out
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) \|", out)]
+    assert "step 8/8" in out and losses[-1] < losses[0], f"loss did not go down: {losses}\n{out}"
+    assert re.search(r"final accuracy: [\d.]+% exact match on 16 held-out sequences", out), out
+    assert any(p.name.startswith("step-") for p in ckpt.iterdir())
+
+
+@pytest.mark.slow
 def test_benchmark_tiny_with_peers_prints_one_table_and_json(tmp_path: Path) -> None:
     out = _run(
         [str(EXAMPLES / "benchmarks" / "benchmark.py"), "-c", "tiny", "-p", "ddp", "-b", "2", "-l", "32",
@@ -79,20 +100,24 @@ def test_benchmark_tiny_with_peers_prints_one_table_and_json(tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_benchmark_on_two_ranks_shards_the_fsdp2_peer_too(tmp_path: Path) -> None:
+    """Two ranks: FSDP2 and ZeRO-2 over both, and HybridParallelPlugin with two pipeline stages (the step through
+    execute_pipeline, micro-batches of 1) in the same processes."""
     out = _run(
-        [str(EXAMPLES / "benchmarks" / "benchmark.py"), "-c", "tiny", "-p", "zero2", "-b", "2", "-l", "32",
-         "-s", "2", "-i", "1", "--no-kernels", "--nproc", "2", "--device", "cpu", "--compare",
+        [str(EXAMPLES / "benchmarks" / "benchmark.py"), "-c", "tiny", "-p", "zero2,hybrid", "--pp", "2", "-b", "2",
+         "-l", "32", "-s", "2", "-i", "1", "--no-kernels", "--nproc", "2", "--device", "cpu", "--compare",
          "--peers", "eager,fsdp2"],
         timeout=300,
         env={"OUT": str(tmp_path)},
     )  # fmt: skip
     assert "--compare on 2 processes: eager run at world size 1 only, skipped" in out, out
-    data = json.loads((tmp_path / "benchmark_tiny_zero2_w2.json").read_text())
-    assert data["args"]["world_size"] == 2
+    data = json.loads((tmp_path / "benchmark_tiny_zero2-hybrid_w2.json").read_text())
+    assert data["args"]["world_size"] == 2 and data["args"]["layout"]["pp"] == 2
     assert [(r["name"].split(" (")[0], r["status"]) for r in data["rows"]] == [
         ("FSDP2 world 2", "ok"),
         ("cai LowLevelZero-2", "ok"),
+        ("cai HybridParallel tp1 x pp2, ZeRO-1", "ok"),
     ]
+    assert all(r["tokens_per_s"] > 0 for r in data["rows"]), data["rows"]
 
 
 @pytest.mark.slow
@@ -118,6 +143,38 @@ def test_finetune_hf_lora_adapter_reloads_with_peft(tmp_path: Path) -> None:
 
 
 # ---- the helpers, in process (fast) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        ("--plugin zero2 --tp 2", "--tp 2: HybridParallelPlugin's flags; add --plugin hybrid"),
+        ("--plugin hybrid --tp 2 --pp 2 --nproc 6", "--tp 2 x --pp 2 x --sp 1 = 4 ranks per replica does not divide the world size 6"),
+        ("--plugin hybrid --tp 3 --nproc 3", "4 attention heads (--heads) do not divide over --tp 3"),
+        ("--plugin hybrid --pp 8 --nproc 8", "4 decoder layers (--layers) are fewer than --pp 8 pipeline stages"),
+        ("--plugin hybrid --pp 2 --zero-stage 2", "--zero-stage 2 does not combine with --pp 2"),
+        ("--plugin hybrid --pp 2 --microbatches 5", "32 sequences, which do not cut into --microbatches 5"),
+        ("--plugin hybrid --sp-mode ring", "--sp-mode ring splits the sequence over the tp group"),
+    ],
+    ids=["not-hybrid", "world", "heads", "layers", "zero2-pp", "microbatches", "sp-mode"],
+)  # fmt: skip
+def test_train_llama_rejects_hybrid_flags_that_do_not_fit(flags: str, error: str, capsys) -> None:
+    from train_llama import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(flags.split())
+    assert error in capsys.readouterr().err
+
+
+def test_train_llama_hybrid_spawns_a_replica_of_tp_x_pp_ranks_on_cpu(monkeypatch) -> None:
+    from train_llama import parse_args
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    args = parse_args(["--plugin", "hybrid", "--tp", "2", "--pp", "2", "--device", "cpu"])
+    assert args.world == 4 and args.layout.num_microbatches == 4 and args.layout.zero_stage == 1
+    zero2 = parse_args(["--device", "cpu"])
+    assert zero2.world == 2 and zero2.layout is None
 
 
 @pytest.mark.parametrize(

@@ -123,10 +123,18 @@ def fsdp2(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, cpu_o
 
 
 def cai(
-    config, batch: torch.Tensor, *, choice, grad_ckpt: bool, kernels: bool, lazy: bool = False
+    config,
+    batch_of: Callable[[int], torch.Tensor],
+    *,
+    device: torch.device,
+    choice,
+    grad_ckpt: bool,
+    kernels: bool,
+    lazy: bool = False,
 ) -> Workload:
     """The model through ``Booster.boost`` with the plugin ``choice`` names and HybridAdam (Colossal-AI's
-    benchmark setup; AdamW under FSDP); ``kernels`` swaps in cai's fused kernels first.
+    benchmark setup; AdamW under FSDP); ``kernels`` swaps in cai's fused kernels first. ``batch_of(r)`` is
+    data-parallel rank r's batch; with pipeline parallelism the step goes through ``execute_pipeline``.
 
     Run it after the peers: ``patch_hf_model`` replaces the rotary function of the transformers modeling module
     for the whole process, which would otherwise leak into the peers' models.
@@ -135,8 +143,8 @@ def cai(
 
     from cai.kernels.optim import HybridAdam
 
-    device = batch.device
     booster = make_booster(choice)
+    batch = batch_of(booster.plugin.dp_rank)
     if lazy:
         # Parameters stay on the meta device until boost() has sharded the model: no full fp32 copy on the GPU.
         from cai.booster import LazyInitContext
@@ -159,8 +167,13 @@ def cai(
     state = {"booster": booster, "model": model, "optimizer": optimizer}
 
     def step() -> None:
-        loss = state["model"](input_ids=batch, labels=batch).loss
-        state["booster"].backward(loss, state["optimizer"])
+        if choice.pipelined:
+            state["booster"].execute_pipeline(
+                iter([{"input_ids": batch, "labels": batch}]), state["model"], _hf_loss, state["optimizer"]
+            )
+        else:
+            loss = state["model"](input_ids=batch, labels=batch).loss
+            state["booster"].backward(loss, state["optimizer"])
         state["optimizer"].step()
         state["optimizer"].zero_grad()
 
@@ -170,3 +183,8 @@ def cai(
 
     extras = (" + cai kernels" if kernels else "") + (", lazy init" if lazy else "")
     return Workload(name=f"cai {choice.label} ({choice.precision}){extras}", step=step, close=close)
+
+
+def _hf_loss(outputs, batch) -> torch.Tensor:
+    """The pipeline's criterion: labels are in the batch, so the model computed the loss."""
+    return outputs["loss"]

@@ -11,8 +11,11 @@ Examples::
     python examples/benchmarks/benchmark.py -c 1b -p zero2 -b 8 -l 2048 --compare           # one H200
     torchrun --nproc_per_node 8 examples/benchmarks/benchmark.py -c 8b -p zero2 -b 2 -g --compare --peers fsdp2
     python examples/benchmarks/benchmark.py -c tiny -b 2 -l 64 -s 3 -i 1 --compare         # CPU smoke
+    torchrun --nproc_per_node 8 examples/benchmarks/benchmark.py -c 8b -p hybrid --tp 2 --pp 2 -b 8 -g
 
-Random weights, random tokens (never all zeros), labels = inputs. ``-b`` is the batch per GPU.
+Random weights, random tokens (never all zeros), labels = inputs. ``-b`` is the batch per data-parallel replica:
+per GPU for the data-parallel plugins; with ``-p hybrid`` the tp x pp x sp ranks of one replica share it (as
+Colossal-AI's benchmark counts it), and tokens/s per GPU is ``b x l x dp / world`` over the step time.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch.distributed as dist
 from _launch import resolve_device, run
 from _models import PRESETS, preset_config
 from _perf import PEAK_FLOPS, ModelShape, Throughput, peak_memory_gib
-from _plugins import PLUGINS, PluginChoice
+from _plugins import PLUGINS, SP_MODES, HybridLayout, PluginChoice
 
 PEERS = ("eager", "compile", "fsdp2", "eager-pure")  # eager-pure: parameters in bf16, no fp32 master (opt-in)
 
@@ -49,8 +52,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"one of {', '.join(PLUGINS)}, zero (LowLevelZero at --zero's stage), or a comma list: one row each",
     )
     p.add_argument(
-        "--zero", type=int, choices=(1, 2), default=None, help="ZeRO stage for -p zero (default 2)"
+        "--zero",
+        type=int,
+        choices=(0, 1, 2),
+        default=None,
+        help="ZeRO stage for -p zero (1 or 2, default 2) and -p hybrid (0, 1 or 2, default 1)",
     )
+    p.add_argument("--tp", type=int, default=1, help="-p hybrid: tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="-p hybrid: pipeline stages (1F1B)")
+    p.add_argument("--sp", type=int, default=1, help="-p hybrid: sequence-parallel axis size")
+    p.add_argument(
+        "--sp-mode",
+        "--sp_mode",
+        choices=SP_MODES,
+        default=None,
+        help="-p hybrid: sequence parallelism (split_gather/ring over tp; all_to_all, the default with --sp > 1, "
+        "and ring_attn over --sp)",
+    )
+    p.add_argument(
+        "--mbs", type=int, default=None, help="-p hybrid with --pp > 1: micro-batch size (default 1)"
+    )
+    p.add_argument("--microbatches", type=int, default=None, help="-p hybrid with --pp > 1: instead of --mbs")
     p.add_argument("-b", "--batch-size", "--batch_size", type=int, default=8, help="batch per GPU")
     p.add_argument("-s", "--steps", "--num_steps", type=int, default=10, help="timed steps")
     p.add_argument("-i", "--warmup", "--ignore_steps", type=int, default=3, help="untimed steps first")
@@ -91,15 +113,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS / 1e12, help="MFU denominator per GPU")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
-        "--nproc", type=int, default=1, help="processes to spawn here when not under torchrun (one per GPU)"
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes to spawn here when not under torchrun (one per GPU; default 1, tp x pp x sp for -p hybrid)",
     )
     args = p.parse_args(argv)
-    args.plugins = [f"zero{args.zero or 2}" if x == "zero" else x for x in args.plugin.split(",") if x]
+    names = [x for x in args.plugin.split(",") if x]
+    if args.zero == 0 and "zero" in names:
+        p.error("--zero 0 is -p hybrid's (no ZeRO); -p zero takes --zero 1 or 2")
+    args.plugins = [f"zero{args.zero or 2}" if x == "zero" else x for x in names]
     bad = [x for x in args.plugins if x not in PLUGINS]
     if bad or not args.plugins:
         p.error(f"-p {args.plugin}: {', '.join(bad) or 'nothing'} is not among {', '.join(PLUGINS)}, zero")
-    if args.zero is not None and "zero" not in args.plugin.split(","):
-        p.error(f"--zero {args.zero} goes with -p zero, not -p {args.plugin}")
+    if args.zero is not None and not {"zero", "hybrid"} & set(names):
+        p.error(f"--zero {args.zero} goes with -p zero or -p hybrid, not -p {args.plugin}")
+    try:
+        args.layout = hybrid_layout(args)
+    except ValueError as e:
+        p.error(str(e))
     args.peers = [x for x in args.peers.split(",") if x]
     unknown = sorted(set(args.peers) - set(PEERS))
     if unknown:
@@ -107,6 +139,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 0:
         p.error(f"-s {args.steps} must be >= 1 and -i {args.warmup} >= 0")
     return args
+
+
+def hybrid_layout(args: argparse.Namespace) -> HybridLayout | None:
+    """-p hybrid's sizes, checked against the model, the sequence length, the batch and the world size."""
+    flags = {"--tp": args.tp != 1, "--pp": args.pp != 1, "--sp": args.sp != 1, "--sp-mode": args.sp_mode,
+             "--mbs": args.mbs, "--microbatches": args.microbatches}  # fmt: skip
+    if "hybrid" not in args.plugins:
+        given = [k for k, v in flags.items() if v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: -p hybrid's flags, not -p {args.plugin}'s")
+        return None
+    if args.mbs and args.microbatches:
+        raise ValueError(f"--mbs {args.mbs} and --microbatches {args.microbatches}: give one of them")
+    pipelined = args.pp > 1
+    layout = HybridLayout(
+        tp=args.tp,
+        pp=args.pp,
+        sp=args.sp,
+        sp_mode=args.sp_mode,
+        zero_stage=1 if args.zero is None else args.zero,
+        num_microbatches=args.microbatches if pipelined else None,
+        microbatch_size=(args.mbs or (None if args.microbatches else 1)) if pipelined else None,
+    )
+    config = preset_config(args.config, max_seq=args.max_length)
+    layout.check_model(
+        heads=config.num_attention_heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        layers=config.num_hidden_layers,
+        source=f"-c {args.config}",
+    )
+    layout.check_batch(args.batch_size, flag=f"-b {args.batch_size}")
+    if args.max_length % layout.seq_multiple:
+        raise ValueError(
+            f"-l {args.max_length} must be a multiple of {layout.seq_multiple}: sequence parallelism "
+            f"({layout.mode}) cuts every sequence evenly"
+        )
+    if args.nproc is None and "WORLD_SIZE" not in os.environ:
+        args.nproc = layout.model_parallel
+    layout.dp_size(int(os.environ.get("WORLD_SIZE", args.nproc or 1)))
+    return layout
 
 
 @dataclass(kw_only=True)
@@ -146,8 +218,13 @@ def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def measure(build, *, args, shape: ModelShape, device: torch.device, label: str) -> Row:
-    """Build one workload, time it, free it. An OOM or error becomes a row rather than ending the run."""
+def measure(
+    build, *, args, shape: ModelShape, device: torch.device, label: str, tokens_per_gpu: float
+) -> Row:
+    """Build one workload, time it, free it. An OOM or error becomes a row rather than ending the run.
+
+    ``tokens_per_gpu``: this device's share of one step's tokens. Peak memory is the largest over the ranks.
+    """
     import _workloads
 
     if device.type == "cuda":
@@ -171,10 +248,14 @@ def measure(build, *, args, shape: ModelShape, device: torch.device, label: str)
             workload.close()
         _workloads.release()
     row.peak_gib = peak_memory_gib(device)  # on CPU: the process's peak resident set so far
+    if dist.get_world_size() > 1:  # pipeline stages differ (the first holds the embedding, the last the head)
+        peak = torch.tensor(row.peak_gib, dtype=torch.float64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        row.peak_gib = float(peak)
     if row.status == "ok":
         perf = Throughput.measure(
             shape,
-            tokens=args.batch_size * args.max_length,
+            tokens=tokens_per_gpu,
             seconds=row.step_s,
             seq_len=args.max_length,
             grad_ckpt=args.grad_checkpoint,
@@ -218,15 +299,22 @@ def main(args: argparse.Namespace) -> None:
     choices = [
         PluginChoice(
             name=name, precision=precision, cpu_offload=args.cpu_offload and name in ("zero1", "zero2", "fsdp"),
-            **(gemini_fracs if name == "gemini" else {}),
+            **(gemini_fracs if name == "gemini" else {}), **({"hybrid": args.layout} if name == "hybrid" else {}),
         )
         for name in args.plugins
     ]  # fmt: skip
     config = preset_config(args.config, max_seq=args.max_length)
     with torch.device("meta"):
         shape = ModelShape.of(_workloads.LlamaForCausalLM(config), config)
-    gen = torch.Generator().manual_seed(1234 + rank)
-    batch = torch.randint(1, config.vocab_size, (args.batch_size, args.max_length), generator=gen).to(device)
+
+    def batch_of(replica: int) -> torch.Tensor:
+        """Data-parallel replica ``replica``'s batch (every rank of a hybrid replica reads the same one)."""
+        gen = torch.Generator().manual_seed(1234 + replica)
+        size = (args.batch_size, args.max_length)
+        return torch.randint(1, config.vocab_size, size, generator=gen).to(device)
+
+    batch = batch_of(rank)
+    tokens = args.batch_size * args.max_length
 
     peer_rows: list[Row] = []
     peers = list(args.peers) if args.compare else []
@@ -246,13 +334,23 @@ def main(args: argparse.Namespace) -> None:
             "eager-pure": lambda: _workloads.eager(config, batch, pure=True, **kw),
         }
         for peer in peers:
-            peer_rows.append(measure(builders[peer], args=args, shape=shape, device=device, label=peer))
+            peer_rows.append(
+                measure(
+                    builders[peer], args=args, shape=shape, device=device, label=peer, tokens_per_gpu=tokens
+                )
+            )
     rows = list(peer_rows)
     for choice in [] if args.no_cai else choices:
         build = lambda choice=choice: _workloads.cai(  # noqa: E731
-            config, batch, choice=choice, grad_ckpt=args.grad_checkpoint, kernels=args.kernels, lazy=args.lazy
-        )
-        rows.append(measure(build, args=args, shape=shape, device=device, label=f"cai {choice.label}"))
+            config, batch_of, device=device, choice=choice, grad_ckpt=args.grad_checkpoint, kernels=args.kernels,
+            lazy=args.lazy,
+        )  # fmt: skip
+        # A hybrid replica's tp x pp x sp ranks share its batch: each device does 1 / (tp x pp x sp) of it.
+        share = choice.hybrid.model_parallel if choice.hybrid else 1
+        rows.append(
+            measure(build, args=args, shape=shape, device=device, label=f"cai {choice.label}",
+                    tokens_per_gpu=tokens / share)
+        )  # fmt: skip
 
     if rank == 0:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -267,7 +365,7 @@ def main(args: argparse.Namespace) -> None:
         if out:
             ranks = f"_w{world}" if world > 1 else ""
             path = Path(out) / f"benchmark_{Path(args.config).name}_{'-'.join(args.plugins)}{ranks}.json"
-            meta = {k: v for k, v in vars(args).items()}
+            meta = {k: asdict(v) if k == "layout" and v else v for k, v in vars(args).items()}
             meta.update(precision=precision, world_size=world, device=gpu, num_params=shape.num_params)
             path.write_text(json.dumps({"args": meta, "rows": [asdict(r) for r in rows]}, indent=2))
             print(f"wrote {path}")
@@ -279,4 +377,4 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     arguments = parse_args()
-    run(main, arguments, nproc=arguments.nproc)
+    run(main, arguments, nproc=arguments.nproc or 1)
