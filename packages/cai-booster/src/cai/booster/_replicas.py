@@ -155,7 +155,7 @@ def sync_replicas(model: nn.Module, group: dist.ProcessGroup | None, *, owner: s
     tensors = [t for _, _, t in _state_tensors(model) if t.device.type != "meta"]
     sent = broadcast_tensors(tensors, src=ranks[0], group=group)
     get_dist_logger().info(
-        f"{owner}: {world} data-parallel ranks agree on {len(gathered[0])} parameter and buffer names, shapes and "
+        f"{owner}: {world} replicas agree on {len(gathered[0])} parameter and buffer names, shapes and "
         f"dtypes; broadcast {len(tensors)} tensors ({sent / 2**20:.1f} MiB) from rank {ranks[0]} so that every "
         "replica starts from the same weights",
         ranks=[ranks[0]],

@@ -23,6 +23,7 @@ collectives; tensors travel as raw bytes.
 from __future__ import annotations
 
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +148,10 @@ class PipelineP2P:
         if n:
             blob = torch.empty(n, dtype=torch.uint8, device=self.device)
             self._wait(dist.batch_isend_irecv([dist.P2POp(_IRECV, blob, src, self.group)]))
-            meta = pickle.loads(blob.cpu().numpy().tobytes())
+            with warnings.catch_warnings():
+                # torch's own TreeSpec unpickling trips its LeafSpec deprecation (torch 2.13); nothing to act on
+                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+                meta = pickle.loads(blob.cpu().numpy().tobytes())
             self._recv_meta[key] = meta
             tensors = self._alloc(meta)
             if tensors:

@@ -16,7 +16,7 @@ own size and the group size, so two ranks holding copies of it in different mode
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +46,7 @@ class Bucket:
     world_size: int
     rank: int
     replicated: bool = False  # stage 0: every rank of the group holds the whole bucket (world_size is 1)
+    comm: int = 0  # which of the optimizer's reduction groups this bucket is reduced and sharded over
     working: torch.Tensor | None = None  # (shard * world_size,) working dtype; params are views of it
     master: torch.Tensor | None = None  # (shard,) fp32, on the host with cpu_offload
     grad: torch.Tensor | None = None  # (shard * world_size,) comm dtype, alive while gradients accumulate
@@ -77,13 +78,18 @@ def plan_buckets(
     rank: int,
     replicated: bool = False,
     alone: Collection[str] = (),
+    comm: Mapping[str, tuple[int, int, int]] | None = None,
 ) -> list[Bucket]:
     """Split trainable parameters into buckets in reverse order (the order backward produces gradients).
 
     ``bucket_numel(dtype)`` gives the target size; a parameter larger than it, or named in ``alone``, gets a
     bucket of its own. Buckets never mix param groups or dtypes, so each master shard has one set of
     hyperparameters. ``replicated``: stage 0 (pass ``world_size=1, rank=0``; see [Note: bucket layout]).
+    ``comm`` maps the names of parameters reduced over another group to ``(group index, its size, this rank in
+    it)``; buckets never mix groups either.
     """
+    comm = comm or {}
+    default = (0, world_size, rank)
     order: list[tuple[int, str, torch.nn.Parameter]] = [
         (g, name, p) for g, named in enumerate(groups) for name, p in named
     ]
@@ -97,8 +103,9 @@ def plan_buckets(
         for _, name, p in current:
             slots.append(Slot(name=name, param=p, offset=offset, numel=p.numel(), shape=tuple(p.shape)))
             offset += p.numel()
-        shard = max(1, math.ceil(offset / world_size))
-        g, _, p0 = current[0]
+        g, name0, p0 = current[0]
+        index, size, where = comm.get(name0, default)
+        shard = max(1, math.ceil(offset / size))
         buckets.append(
             Bucket(
                 index=len(buckets),
@@ -107,9 +114,10 @@ def plan_buckets(
                 slots=slots,
                 numel=offset,
                 shard=shard,
-                world_size=world_size,
-                rank=rank,
+                world_size=size,
+                rank=where,
                 replicated=replicated,
+                comm=index,
             )
         )
         current.clear()
@@ -122,6 +130,7 @@ def plan_buckets(
             or size + p.numel() > bucket_numel(p.dtype)
             or name in alone
             or current[-1][1] in alone
+            or comm.get(name, default)[0] != comm.get(current[-1][1], default)[0]
         ):
             close()
             size = 0

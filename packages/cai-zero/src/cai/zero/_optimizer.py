@@ -68,6 +68,11 @@ class ZeroOptimizer:
             an average, as DDP. Pass the number of data-parallel replicas when the group also spans ranks whose
             gradients are parts of one replica's gradient that must be summed (sequence parallelism: each rank of a
             replica's sp group holds the gradient of its own tokens), so one collective both sums and averages.
+        reduce_groups: parameter name -> the process group its gradient is averaged and its state sharded over,
+            instead of ``group`` (the experts of a mixture-of-experts layer, each owned by one expert-parallel rank:
+            over the data-parallel group of their own, where ``group`` spans dp x ep). Stage 1 or 2 only. The
+            gradient norm still sums every shard over ``group``, which is right when the ranks of ``group`` outside
+            a parameter's reduce group hold other parameters of that name (other experts) rather than copies.
 
     Example::
 
@@ -107,6 +112,7 @@ class ZeroOptimizer:
         replicas: Mapping[str, int] = _NONE,
         shared: Mapping[str, dist.ProcessGroup] = _NONE,
         grad_divisor: int | None = None,
+        reduce_groups: Mapping[str, dist.ProcessGroup] = _NONE,
     ) -> None:
         self.optim = optimizer
         self.config = config = config or ZeroConfig()
@@ -128,6 +134,16 @@ class ZeroOptimizer:
         self.grad_divisor = grad_divisor or self.world_size
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("ZeroOptimizer: the optimizer already has state; wrap it before its first step")
+        if reduce_groups and config.stage == 0:
+            raise ValueError(
+                "ZeroOptimizer: reduce_groups needs stage 1 or 2 (the norm of stage 0's whole gradients would have "
+                "to be summed over some groups and not others)"
+            )
+        # the reduction groups: index 0 is `group`, then those of reduce_groups in first-seen order (Bucket.comm)
+        self._groups: list[dist.ProcessGroup | None] = [group]
+        for g in reduce_groups.values():
+            if all(g is not h for h in self._groups):
+                self._groups.append(g)
 
         names = _named_parameters(model)
         unknown = sorted(set(replicas) - set(names.values()))
@@ -155,6 +171,11 @@ class ZeroOptimizer:
         trainable = [p for named in groups for _, p in named]
         if not trainable:
             raise ValueError("ZeroOptimizer: the optimizer has no parameter with requires_grad=True")
+        unknown = sorted(set(reduce_groups) - {n for named in self._group_names for n in named})
+        if unknown:
+            raise ValueError(
+                f"ZeroOptimizer: reduce_groups names {unknown}, which are not trainable parameters of the optimizer"
+            )
         unknown = sorted(set(shared) - {n for named in self._group_names for n in named})
         if unknown:
             # a shared parameter this rank does not step would leave its group's other ranks waiting for its sum
@@ -196,6 +217,14 @@ class ZeroOptimizer:
             rank=0 if whole else self.rank,
             replicated=whole,
             alone=set(shared),
+            comm={
+                n: (
+                    next(i for i, h in enumerate(self._groups) if h is g),
+                    dist.get_world_size(g),
+                    dist.get_rank(g),
+                )
+                for n, g in reduce_groups.items()
+            },
         )
         for b in self.buckets:
             self._materialize(b)
@@ -360,13 +389,16 @@ class ZeroOptimizer:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if self.world_size > 1:
-                grad.div_(self.grad_divisor)  # before the sum, so fp16 gradients do not overflow in it
+            group = self._groups[b.comm]
+            size = self.world_size if b.comm == 0 else b.world_size
+            if size > 1:
+                # before the sum, so fp16 gradients do not overflow in it
+                grad.div_(self.grad_divisor if b.comm == 0 else size)
                 if self.config.stage == 2:
                     out = torch.empty(b.shard, dtype=grad.dtype, device=self.device)
-                    reduce_scatter_tensor(out, grad, group=self.group)
+                    reduce_scatter_tensor(out, grad, group=group)
                 else:
-                    dist.all_reduce(grad, group=self.group)
+                    dist.all_reduce(grad, group=group)
                     # stage 0 keeps the whole reduced bucket, stage 1 its own slice
                     out = grad if b.replicated else grad[b.lo : b.hi]
             else:
@@ -446,7 +478,7 @@ class ZeroOptimizer:
         if b.world_size == 1:
             b.working.copy_(shard)
             return
-        work = all_gather_into_tensor(b.working, shard, group=self.group, async_op=async_op)
+        work = all_gather_into_tensor(b.working, shard, group=self._groups[b.comm], async_op=async_op)
         if async_op:
             b.gather_work = [work, shard]
 
@@ -631,6 +663,11 @@ class ZeroOptimizer:
 
         ``{"state": {name: {key: tensor}}, "param_groups": [...], "loss_scaler": {...} | None}``; a collective call.
         """
+        if len(self._groups) > 1:
+            raise NotImplementedError(
+                "ZeroOptimizer.state_dict: parameters with their own reduce_groups are sharded over other groups; "
+                "save through cai.ckpt.save_optimizer (the state protocol) instead"
+            )
         self._wait_gather(self.buckets)
         state = _state.full_state(self.optim, self.buckets, device=self.device, group=self.group)
         return {
