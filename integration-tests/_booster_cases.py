@@ -50,6 +50,34 @@ def hybrid_llama(tied: bool, layers: int = 8) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).float()
 
 
+def tiny_moe(family: str, *, aux: bool) -> torch.nn.Module:
+    """A tiny mixture-of-experts causal LM (8 experts, top-2, 2 layers) with random routers (Qwen3-MoE's start at
+    zero); ``aux`` adds the load-balancing loss to the model's loss."""
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=aux, router_aux_loss_coef=0.1,
+        attn_implementation="eager", tie_word_embeddings=False,
+    )  # fmt: skip
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=16, num_local_experts=8, **common)
+        cls = transformers.MixtralForCausalLM
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            intermediate_size=48, moe_intermediate_size=16, num_experts=8, norm_topk_prob=True, head_dim=8,
+            decoder_sparse_step=1, **common,
+        )  # fmt: skip
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(0)
+    model = cls(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return model
+
+
 def make_plugin(name: str):
     from cai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 

@@ -7,7 +7,13 @@ import re
 
 import pytest
 
-from cai.booster.plugin import HybridParallelConfig, HybridParallelPlugin, PipelineConfig
+from cai.booster.plugin import (
+    HybridParallelConfig,
+    HybridParallelPlugin,
+    MoeHybridParallelConfig,
+    MoeHybridParallelPlugin,
+    PipelineConfig,
+)
 from cai.zero import ZeroConfig
 
 
@@ -106,3 +112,14 @@ def test_checkpoint_config_other_than_every_layer_is_refused() -> None:
 
     with raises("gradient_checkpointing_ratio=0.5"):
         HybridParallelPlugin(tp_size=2, pp_size=1, gradient_checkpoint_config=Partial())
+
+
+def test_moe_plugin_keywords_and_sizes() -> None:
+    cfg = MoeHybridParallelPlugin(tp_size=2, pp_size=1, ep_size=4, zero_stage=1, moe_dp_outside=False).config
+    assert (cfg.ep_size, cfg.tp_size, cfg.zero.stage) == (4, 2, 1)
+    with raises("ep (3)"):
+        MoeHybridParallelConfig(ep_size=3).dims(world_size=4)
+    with raises("ep_size=0 must be a positive int"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=0)
+    with raises("sp_size=2 (a sequence-parallel axis of its own) is not supported with experts"):
+        MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, sp_size=2, enable_sequence_parallelism=True)

@@ -70,9 +70,11 @@ class ZeroOptimizer:
             replica's sp group holds the gradient of its own tokens), so one collective both sums and averages.
         reduce_groups: parameter name -> the process group its gradient is averaged and its state sharded over,
             instead of ``group`` (the experts of a mixture-of-experts layer, each owned by one expert-parallel rank:
-            over the data-parallel group of their own, where ``group`` spans dp x ep). Stage 1 or 2 only. The
+            over the data-parallel group of their own, where ``group`` spans dp x ep). At stages 1 and 2 the
             gradient norm still sums every shard over ``group``, which is right when the ranks of ``group`` outside
-            a parameter's reduce group hold other parameters of that name (other experts) rather than copies.
+            a parameter's reduce group hold other parameters of that name (other experts) rather than copies. At
+            stage 0 it sums over no reduction group (every rank holds whole gradients): give the expert-parallel
+            group in ``norm_groups`` and the other parameters' copies over it in ``replicas``.
 
     Example::
 
@@ -134,11 +136,6 @@ class ZeroOptimizer:
         self.grad_divisor = grad_divisor or self.world_size
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError("ZeroOptimizer: the optimizer already has state; wrap it before its first step")
-        if reduce_groups and config.stage == 0:
-            raise ValueError(
-                "ZeroOptimizer: reduce_groups needs stage 1 or 2 (the norm of stage 0's whole gradients would have "
-                "to be summed over some groups and not others)"
-            )
         # the reduction groups: index 0 is `group`, then those of reduce_groups in first-seen order (Bucket.comm)
         self._groups: list[dist.ProcessGroup | None] = [group]
         for g in reduce_groups.values():

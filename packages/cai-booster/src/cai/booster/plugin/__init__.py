@@ -4,6 +4,7 @@ from cai.booster.plugin._base import BoostContext, Capabilities, DPPluginBase, P
 from cai.booster.plugin._gemini import GeminiPlugin
 from cai.booster.plugin._hybrid import HybridParallelConfig, HybridParallelPlugin, PipelineConfig
 from cai.booster.plugin._low_level_zero import LowLevelZeroConfig, LowLevelZeroPlugin
+from cai.booster.plugin._moe_hybrid import MoeHybridParallelConfig, MoeHybridParallelPlugin
 from cai.booster.plugin._torch_ddp import DDPConfig, TorchDDPPlugin
 from cai.booster.plugin._torch_fsdp import FSDPConfig, TorchFSDPPlugin
 
@@ -13,6 +14,7 @@ PLUGINS: tuple[type[Plugin], ...] = (
     LowLevelZeroPlugin,
     GeminiPlugin,
     HybridParallelPlugin,
+    MoeHybridParallelPlugin,
 )
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "HybridParallelPlugin",
     "LowLevelZeroConfig",
     "LowLevelZeroPlugin",
+    "MoeHybridParallelConfig",
+    "MoeHybridParallelPlugin",
     "PipelineConfig",
     "Plugin",
     "TorchDDPPlugin",

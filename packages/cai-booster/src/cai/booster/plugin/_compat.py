@@ -30,6 +30,7 @@ __all__ = [
     "GEMINI_ARGS",
     "HYBRID_ARGS",
     "LOW_LEVEL_ZERO_ARGS",
+    "MOE_HYBRID_ARGS",
     "PluginArgs",
     "config_from_kwargs",
     "hybrid_sp_kwargs",
@@ -292,6 +293,18 @@ HYBRID_ARGS = PluginArgs(
         Rejected(("inner_ring_size",), None, "leave it None (double-ring attention is not built)"),
         Rejected(("fp8_communication", "use_fp8"), False, "leave both False (fp8 is not implemented)"),
     ),
+)
+
+
+MOE_HYBRID_ARGS = PluginArgs(
+    owner="MoeHybridParallelPlugin",
+    mapped={**HYBRID_ARGS.mapped, "ep_size": Mapped("ep_size")},
+    defaults=HYBRID_ARGS.defaults,
+    ignored={
+        **HYBRID_ARGS.ignored,
+        "moe_dp_outside": "the mesh order is fixed: pp, dp, ep, sp, tp from outer to inner",
+    },
+    rejected=HYBRID_ARGS.rejected,
 )
 
 

@@ -242,10 +242,14 @@ class HybridParallelPlugin(Plugin):
 
     NO_SYNC = True
     PIPELINE = True
+    _GROUPS: tuple = ("pp", "dp", "sp", "tp", ("dp", "sp"))  # the mesh groups, created in this order at once
+
+    _ARGS = HYBRID_ARGS  # Colossal-AI's keywords (cai/booster/plugin/_compat.py) and the config they build
+    _CONFIG: type = HybridParallelConfig
 
     def __init__(self, *, config: HybridParallelConfig | None = None, **kwargs: Any) -> None:
         self.config: HybridParallelConfig = config_from_kwargs(
-            HYBRID_ARGS, HybridParallelConfig, config, hybrid_sp_kwargs(kwargs)
+            self._ARGS, self._CONFIG, config, hybrid_sp_kwargs(kwargs)
         )
         self._mesh: ParallelMesh | None = None
         if dist.is_available() and dist.is_initialized():
@@ -258,7 +262,7 @@ class HybridParallelPlugin(Plugin):
         if self._mesh is None:
             dims = self.config.dims()
             self._mesh = dims.build_mesh()
-            for axis in ("pp", "dp", "sp", "tp", ("dp", "sp")):
+            for axis in self._GROUPS:
                 self._mesh.group(axis)  # every rank creates the groups in the same order
         return self._mesh
 
@@ -356,7 +360,7 @@ class HybridParallelPlugin(Plugin):
 
     def _shard(self, model: nn.Module) -> nn.Module:
         cfg = self.config
-        if self.tp_size == 1 and cfg.sequence_parallelism_mode is None and not cfg.fused_normalization:
+        if not self._needs_policy():
             if cfg.custom_policy is not None:
                 raise ValueError(
                     f"{self.name}: custom_policy is given but tp_size=1 without sequence parallelism, so no policy "
@@ -375,9 +379,17 @@ class HybridParallelPlugin(Plugin):
             parallel_output=cfg.parallel_output,
             make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
             sync_sp_grads=False,  # summed in cai-zero's reduction over dp x sp (see _zero)
+            **self._shard_config_extra(),
         )
         sharded, _ = ShardFormer(shard_config).optimize(model, cfg.custom_policy)
         return sharded
+
+    def _needs_policy(self) -> bool:
+        cfg = self.config
+        return self.tp_size > 1 or cfg.sequence_parallelism_mode is not None or cfg.fused_normalization
+
+    def _shard_config_extra(self) -> dict[str, Any]:
+        return {}
 
     def _split(self, model: nn.Module) -> nn.Module:
         from cai.pipeline import LocalState, PipelineStageManager, build_schedule, build_stages
@@ -420,6 +432,17 @@ class HybridParallelPlugin(Plugin):
         from cai.zero import ZeroOptimizer
 
         cfg = self.config
+        return ZeroOptimizer(
+            optimizer,
+            model=named,
+            config=cfg.zero,
+            loss_scale=cfg.loss_scale if cfg.precision == "fp16" else None,
+            **self._reduction(module, named, rename),
+        )
+
+    def _reduction(self, module: nn.Module, named: list, rename: Callable) -> dict[str, Any]:
+        """cai-zero's groups: what gradients are reduced over, and what the norm sums over (see [Note: one
+        gradient norm over tp x pp x dp])."""
         norm_groups = [
             g for g, size in ((self.tp_group, self.tp_size), (self.pp_group, self.pp_size)) if size > 1
         ]
@@ -434,11 +457,7 @@ class HybridParallelPlugin(Plugin):
         # With a sequence-parallel axis of its own, each sp rank holds the gradient of its tokens: the buckets are
         # reduced over dp x sp in one collective, summed over sp and averaged over dp (and sharded over both).
         group = self.mesh.group(("dp", "sp")) if self.sp_size > 1 else self.dp_group
-        return ZeroOptimizer(
-            optimizer,
-            model=named,
-            config=cfg.zero,
-            loss_scale=cfg.loss_scale if cfg.precision == "fp16" else None,
+        return dict(
             group=group,
             norm_groups=norm_groups,
             replicas=replicas,

@@ -45,6 +45,8 @@ _POLICY_LIST.update(
         "Gemma3TextModel": ("gemma", "Gemma3TextModelPolicy"),
         "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLMPolicy"),
         "MixtralModel": ("mixtral", "MixtralModelPolicy"),
+        "Qwen3MoeModel": ("qwen3", "Qwen3MoeModelPolicy"),
+        "Qwen3MoeForCausalLM": ("qwen3", "Qwen3MoeForCausalLMPolicy"),
         "MixtralForCausalLM": ("mixtral", "MixtralForCausalLMPolicy"),
         "OPTModel": ("opt", "OPTModelPolicy"),
         "OPTForCausalLM": ("opt", "OPTForCausalLMPolicy"),

@@ -10,13 +10,13 @@ from typing import Any
 from cai.shardformer._policy import ModulePolicyDescription
 from cai.shardformer.policies.llama import LlamaForCausalLMPolicy, LlamaPolicy
 
-__all__ = ["MixtralForCausalLMPolicy", "MixtralModelPolicy", "MixtralPolicy"]
+__all__ = ["MixtralForCausalLMPolicy", "MixtralModelPolicy", "MixtralPolicy", "attention_only"]
 
 
-def _attention_only(policy: dict) -> dict:
-    """Drop the Llama policy's dense-MLP entries: Mixtral's `mlp` is the MoE block, whose input stays replicated
+def attention_only(policy: dict, family: str = "Mixtral") -> dict:
+    """Drop the Llama policy's dense-MLP entries: a MoE model's `mlp` is the MoE block, whose input stays replicated
     (it is no tp region) and whose gradient is therefore whole on every rank."""
-    key = "MixtralDecoderLayer"
+    key = f"{family}DecoderLayer"
     if key in policy:
         desc = policy[key]
         subs = [s for s in desc.sub_module_replacement or [] if not s.suffix.startswith("mlp.")]
@@ -31,7 +31,7 @@ class MixtralPolicy(LlamaPolicy):
     sequence_parallel_modes = ()  # the MoE block on a sequence slice would route and balance per rank: not built
 
     def module_policy(self) -> dict[Any, ModulePolicyDescription]:
-        return _attention_only(super().module_policy())
+        return attention_only(super().module_policy())
 
 
 class MixtralModelPolicy(MixtralPolicy):
@@ -44,4 +44,4 @@ class MixtralForCausalLMPolicy(LlamaForCausalLMPolicy):
     sequence_parallel_modes = ()  # the MoE block on a sequence slice would route and balance per rank: not built
 
     def module_policy(self) -> dict[Any, ModulePolicyDescription]:
-        return _attention_only(super().module_policy())
+        return attention_only(super().module_policy())
