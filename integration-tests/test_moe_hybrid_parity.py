@@ -1,5 +1,5 @@
-"""MoeHybridParallelPlugin against one process: Mixtral and Qwen3-MoE (8 experts, top-2) at ep 2 and 4, with and
-without tp 2, under ZeRO 1 and 2, 10 AdamW steps in fp32.
+"""MoeHybridParallelPlugin against one process: Mixtral and Qwen3-MoE (8 experts, top-2) at ep 1 (the experts as
+cai-kernels' grouped GEMM on one rank), 2 and 4, with and without tp 2, under ZeRO 1 and 2, 10 AdamW steps in fp32.
 
 Two data modes. ``same``: every rank reads the whole global batch and the loss includes the load-balancing loss
 (which is not linear in the tokens, so it equals one process's only when every rank sees all tokens), also with
@@ -53,6 +53,8 @@ CASES = [
     for d in ("same", "split")
 ]
 CASES += [
+    Case(family="mixtral", ep=1, tp=1, zero=1, data="same"),
+    Case(family="qwen3_moe", ep=1, tp=2, zero=2, data="split"),
     Case(family="mixtral", ep=4, tp=1, zero=1, data="skewed"),
     Case(family="mixtral", ep=2, tp=1, zero=0, data="split"),
 ]
@@ -243,4 +245,7 @@ def _misconfigured(what: str) -> str:
 
 def test_moe_misconfiguration_fails_at_boost() -> None:
     assert "leave ep_group unset" in run_distributed(_misconfigured, 2, "dense")[0]
-    assert "has 6 experts, which do not split evenly over ep_size=4" in run_distributed(_misconfigured, 4, "experts")[0]
+    assert (
+        "has 6 experts, which do not split evenly over ep_size=4"
+        in run_distributed(_misconfigured, 4, "experts")[0]
+    )

@@ -103,6 +103,9 @@ class ExpertParallelExperts(ParallelModule):
         )
 
     def pieces(self, name: str, rank: int) -> list[Piece]:
+        # Without an ep group (ep 1) the module holds every expert whatever `rank` (the caller's rank in the
+        # default group, which the None group means to torch) says.
+        rank = rank if self.ep_size > 1 else 0
         return [Piece(0, rank * self.num_local_experts, self.num_local_experts)]
 
     def full_size(self, name: str) -> int:

@@ -360,7 +360,7 @@ class HybridParallelPlugin(Plugin):
 
     def _shard(self, model: nn.Module) -> nn.Module:
         cfg = self.config
-        if not self._needs_policy():
+        if not self._needs_policy(model):
             if cfg.custom_policy is not None:
                 raise ValueError(
                     f"{self.name}: custom_policy is given but tp_size=1 without sequence parallelism, so no policy "
@@ -381,12 +381,15 @@ class HybridParallelPlugin(Plugin):
             sync_sp_grads=False,  # summed in cai-zero's reduction over dp x sp (see _zero)
             **self._shard_config_extra(),
         )
-        sharded, _ = ShardFormer(shard_config).optimize(model, cfg.custom_policy)
+        sharded, _ = ShardFormer(shard_config).optimize(model, self._policy(model))
         return sharded
 
-    def _needs_policy(self) -> bool:
+    def _needs_policy(self, model: nn.Module) -> bool:
         cfg = self.config
         return self.tp_size > 1 or cfg.sequence_parallelism_mode is not None or cfg.fused_normalization
+
+    def _policy(self, model: nn.Module) -> Any:
+        return self.config.custom_policy  # None: the one registered for the model's class
 
     def _shard_config_extra(self) -> dict[str, Any]:
         return {}

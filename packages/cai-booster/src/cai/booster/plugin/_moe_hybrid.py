@@ -96,8 +96,17 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
     def ep_group(self) -> Any:
         return self.mesh.group("ep") if _distributed() else None
 
-    def _needs_policy(self) -> bool:
-        return self.ep_size > 1 or super()._needs_policy()
+    def _needs_policy(self, model: nn.Module) -> bool:
+        # MoE blocks are always replaced, also at ep 1: the experts then run as cai-kernels' grouped GEMM
+        return self.ep_size > 1 or _has_moe(model) or super()._needs_policy(model)
+
+    def _policy(self, model: nn.Module) -> Any:
+        if self.config.custom_policy is not None or not _has_moe(model):
+            return self.config.custom_policy
+        from cai.shardformer import ExpertParallelPolicy
+        from cai.shardformer.policies import get_autopolicy
+
+        return ExpertParallelPolicy(get_autopolicy(model) if self.tp_size > 1 else None)
 
     def _shard_config_extra(self) -> dict[str, Any]:
         return {"ep_group": self.ep_group} if self.ep_size > 1 else {}
@@ -125,6 +134,12 @@ def _expert_names(module: nn.Module, rename: Callable[[str], str]) -> set[str]:
         if isinstance(m, ExpertParallelExperts):
             out.update(rename(f"{mname}.{n}") for n, _ in m.named_parameters(recurse=False))
     return out
+
+
+def _has_moe(model: nn.Module) -> bool:
+    from cai.shardformer.policies.moe import MOE_BLOCKS
+
+    return any(type(m).__name__ in MOE_BLOCKS for m in model.modules())
 
 
 def _distributed() -> bool:
