@@ -203,7 +203,10 @@ def _train(case: Case) -> None:
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
-        _close(gathered(model), dict(ref.named_parameters()), f"step {step} param")
+        # Parameters: an element whose gradient is at the level of rounding noise (~1e-7, sums that nearly
+        # cancel) moves by lr * noise / eps = 1e-3 * 1e-7 / 1e-4 = 1e-6 per step, differently in the two runs
+        # (test_encoders.py: the same floor; seen on Gemma 3's tied embedding at tp 4 on some CPUs).
+        _close(gathered(model), dict(ref.named_parameters()), f"step {step} param", floor=2e-6)
     model.eval()
     ref.eval()
     with torch.no_grad():

@@ -69,13 +69,14 @@ def gathered(model, grads: bool = False) -> dict:
     return out
 
 
-def _close(actual: dict, expected: dict, name: str) -> None:
-    """1e-5 relative per element, with an absolute floor of 1e-5 of the tensor's largest element: elements
-    that nearly cancel (a gradient summed over tokens, a weight Adam has moved through zero) carry rounding of
-    the size of their terms, not of their own value."""
+def _close(actual: dict, expected: dict, name: str, floor: float = 0.0) -> None:
+    """1e-5 relative per element, with an absolute floor of 1e-5 of the tensor's largest element (or ``floor``):
+    elements that nearly cancel (a gradient summed over tokens, a weight Adam has moved through zero) carry
+    rounding of the size of their terms, not of their own value."""
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
     for k, e in expected.items():
-        assert_close(actual[k], e, rtol=1e-5, atol=1e-5 * float(e.abs().max()), name=f"{name} {k}")
+        atol = max(1e-5 * float(e.abs().max()), floor)
+        assert_close(actual[k], e, rtol=1e-5, atol=atol, name=f"{name} {k}")
 
 
 def _train(case: Case):

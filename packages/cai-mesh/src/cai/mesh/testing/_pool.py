@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib.util
 import io
 import itertools
@@ -33,6 +34,13 @@ from typing import Any
 __all__ = ["DistributedTestError", "DistributedTestTimeout", "run_distributed", "shutdown_pools"]
 
 _GRACE_S = 5.0  # how long the other ranks may take to finish after one rank failed
+# [Note: recycling workers]
+# A worker keeps whatever a test left alive. A process group still referenced (a model and its hooks form reference
+# cycles, freed only by the collector) keeps its gloo transport, whose event-loop thread wakes up on a timer:
+# hundreds of them in each of 30 pooled workers took most of a 2-core machine. So each task ends with a collection;
+# and should something still hold groups, after a call in which any rank holds more native threads than this the
+# pool is replaced.
+_MAX_THREADS = 64
 
 
 class DistributedTestError(AssertionError):
@@ -128,10 +136,21 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results
                     raise
                 finally:
                     dist.destroy_process_group()
-            results.put(("ok", rank, value, "", 0.0))
+                    # what the test built may hold process groups in reference cycles (modules and their hooks):
+                    # free them now, or their gloo threads live on (see [Note: recycling workers])
+                    gc.collect()
+            results.put(("ok", rank, value, "", 0.0, _native_threads()))
         except BaseException as e:
             failed_at = getattr(e, "_cai_failed_at", time.time())
-            results.put(("err", rank, traceback.format_exc(), out.getvalue()[-4000:], failed_at))
+            results.put(("err", rank, traceback.format_exc(), out.getvalue()[-4000:], failed_at, 0))
+
+
+def _native_threads() -> int:
+    """This process's threads, native ones included (0 where /proc is not there)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 class _Pool:
@@ -143,6 +162,7 @@ class _Pool:
         self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
         self.results: mp.Queue = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.threads = 0  # the most native threads a rank held after a call (see [Note: recycling workers])
         self.procs = [
             ctx.Process(
                 target=_worker_main,
@@ -168,9 +188,10 @@ class _Pool:
             if errors:
                 deadline = min(deadline, now + _GRACE_S)
             try:
-                status, rank, payload, output, failed_at = self.results.get(
+                status, rank, payload, output, failed_at, threads = self.results.get(
                     timeout=max(0.05, min(1.0, deadline - now))
                 )
+                self.threads = max(self.threads, threads)
             except queue.Empty:
                 if not self.alive() or time.monotonic() >= deadline:
                     self.kill()
@@ -307,3 +328,6 @@ def run_distributed(
         if not pool.alive():
             _POOLS.pop(world_size, None)
         raise
+    finally:
+        if pool.threads > _MAX_THREADS and _POOLS.get(world_size) is pool:
+            _POOLS.pop(world_size).close()
