@@ -209,3 +209,29 @@ def boosted_run(case: Case) -> float:
 def test_hybrid_parity(case: Case) -> None:
     results = run_distributed(boosted_run, case.layout.world, case, timeout=300)
     assert len({round(r, 10) for r in results}) == 1, results
+
+
+def _misconfigured(what: str) -> str:
+    from _booster_cases import tiny_llama
+
+    from cai.booster import Booster
+    from cai.booster.plugin import HybridParallelPlugin
+
+    if what == "heads":  # 3 attention heads over tp 2
+        model, plugin = tiny_llama(), HybridParallelPlugin(tp_size=2, pp_size=1)
+    else:  # 1 decoder block for 2 stages
+        model, plugin = (
+            hybrid_llama(False, layers=1),
+            HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=2),
+        )
+    try:
+        Booster(plugin=plugin, device="cpu").boost(model, torch.optim.AdamW(model.parameters()))
+    except (ValueError, NotImplementedError) as err:
+        return str(err)
+    return "no error"
+
+
+def test_misconfiguration_fails_at_boost() -> None:
+    heads, layers = (run_distributed(_misconfigured, 2, what)[0] for what in ("heads", "layers"))
+    assert "num_attention_heads=3 does not divide over tensor_parallel_size=2" in heads, heads
+    assert "1 layers cannot fill 2 pipeline slots" in layers, layers
