@@ -10,17 +10,19 @@ import torch
 import torch.distributed as dist
 
 from cai.booster import Booster
-from cai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
+from cai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 from cai.mesh.testing import TinyTransformer, make_batch, run_distributed
 
 peft = pytest.importorskip("peft")
 
 
 def _lora_run(plugin: str) -> dict:
-    booster = Booster(
-        plugin=TorchDDPPlugin() if plugin == "ddp" else LowLevelZeroPlugin(stage=2, precision="fp32"),
-        device="cpu",
-    )
+    plugins = {
+        "ddp": TorchDDPPlugin,
+        "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
+        "hybrid-zero1": lambda: HybridParallelPlugin(tp_size=1, pp_size=1, zero_stage=1, precision="fp32"),
+    }
+    booster = Booster(plugin=plugins[plugin](), device="cpu")
     base = TinyTransformer(seed=0)
     frozen_before = {n: p.detach().clone() for n, p in base.named_parameters()}
     model = booster.enable_lora(
@@ -54,7 +56,7 @@ def _lora_run(plugin: str) -> dict:
     return {"files": sorted(os.listdir(obj[0])), "base_unchanged": unchanged}
 
 
-@pytest.mark.parametrize("plugin", ["ddp", "zero2"])
+@pytest.mark.parametrize("plugin", ["ddp", "zero2", "hybrid-zero1"])
 def test_lora_trains_adapters_only_and_saves_in_peft_format(plugin: str) -> None:
     for r in run_distributed(_lora_run, 2, plugin):
         assert r["base_unchanged"]
@@ -65,3 +67,9 @@ def test_enable_lora_needs_a_config() -> None:
     booster = Booster(device="cpu")
     with pytest.raises(ValueError, match="give lora_config"):
         booster.enable_lora(TinyTransformer())
+
+
+def test_hybrid_lora_needs_tp_and_pp_of_one() -> None:
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=1), device="cpu")
+    with pytest.raises(ValueError, match="LoRA needs tp_size=1, pp_size=1"):
+        booster.enable_lora(TinyTransformer(seed=0), lora_config=peft.LoraConfig(r=4, target_modules=["qkv"]))

@@ -40,7 +40,7 @@ from cai.booster._precision import check_precision, precision_dtype
 from cai.booster._pretrained import load_pretrained_into
 from cai.booster._replicas import broadcast_tensors
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
-from cai.booster.plugin._base import BoostContext, Boosted, Capabilities, Plugin, lora_plugins
+from cai.booster.plugin._base import BoostContext, Boosted, Capabilities, Plugin
 from cai.booster.plugin._compat import HYBRID_ARGS, config_from_kwargs, hybrid_sp_kwargs
 from cai.booster.plugin._low_level_zero import ZeroOptimizerWrapper, _cast_floating_inputs
 from cai.booster.plugin._torch_ddp import place_replicated
@@ -242,6 +242,7 @@ class HybridParallelPlugin(Plugin):
 
     NO_SYNC = True
     PIPELINE = True
+    LORA = True  # with tp_size = pp_size = 1 and no sequence parallelism (see enable_lora)
     _GROUPS: tuple = ("pp", "dp", "sp", "tp", ("dp", "sp"))  # the mesh groups, created in this order at once
 
     _ARGS = HYBRID_ARGS  # Colossal-AI's keywords (cai/booster/plugin/_compat.py) and the config they build
@@ -309,8 +310,15 @@ class HybridParallelPlugin(Plugin):
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(
-            precisions=_PRECISIONS, control_precision=True, no_sync=True, lora=False, pipeline=True
+            precisions=_PRECISIONS,
+            control_precision=True,
+            no_sync=True,
+            lora=self._lora_fits(),
+            pipeline=True,
         )
+
+    def _lora_fits(self) -> bool:
+        return self.tp_size == 1 and self.pp_size == 1 and self.config.sequence_parallelism_mode is None
 
     @property
     def precision(self) -> str:
@@ -332,7 +340,7 @@ class HybridParallelPlugin(Plugin):
         ctx: BoostContext,
     ) -> Boosted:
         cfg = self.config
-        aliases = _aliases(model)
+        aliases = _aliases(model.get_base_model() if _is_peft(model) else model)
         lazy = is_lazy(model)
         if not lazy:
             place_replicated(model, ctx)
@@ -341,6 +349,8 @@ class HybridParallelPlugin(Plugin):
         model = self._shard(model)
         module: nn.Module = self._split(model) if self.pp_size > 1 else model
         rename = module.global_name if self.pp_size > 1 else _same
+        # a peft model is named by its base model's names, as the checkpoint states see it (ModelWrapper.unwrap)
+        named_from = module.get_base_model() if _is_peft(module) else module
         if lazy:
             self._materialize(module, rename, ctx)
         dtype = precision_dtype(cfg.precision)
@@ -351,9 +361,9 @@ class HybridParallelPlugin(Plugin):
         object.__setattr__(boosted, "_cai_rename", rename)
         if optimizer is None:
             return boosted, None, criterion, dataloader, lr_scheduler
-        named = _named_parameters(module, rename)
+        named = _named_parameters(named_from, rename)
         _rebind(optimizer, aliases, dict(named))
-        zo = self._zero(optimizer, module, named, rename)
+        zo = self._zero(optimizer, named_from, named, rename)
         boosted_opt = ZeroOptimizerWrapper(zo)
         boosted_opt.boosted_model = boosted
         return boosted, boosted_opt, criterion, dataloader, lr_scheduler
@@ -502,10 +512,14 @@ class HybridParallelPlugin(Plugin):
     def enable_lora(
         self, model: nn.Module, pretrained_dir: str | None = None, lora_config: Any = None
     ) -> nn.Module:
-        raise ValueError(
-            f"{self.name} does not support LoRA yet (peft's wrapper hides the model class from the sharding "
-            f"policies); use one of the plugins that do ({lora_plugins()})"
-        )
+        if not self._lora_fits():
+            raise ValueError(
+                f"{self.name}: LoRA needs tp_size=1, pp_size=1 and no sequence parallelism (got tp_size="
+                f"{self.tp_size}, pp_size={self.pp_size}, sequence_parallelism_mode="
+                f"{self.config.sequence_parallelism_mode!r}): peft's adapters are not sharded or split; LoRA with "
+                "data parallelism and ZeRO works with those sizes"
+            )
+        return super().enable_lora(model, pretrained_dir=pretrained_dir, lora_config=lora_config)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def model_state(self, model: ModelWrapper) -> Any:
@@ -539,6 +553,10 @@ class _RenamedState:
         from cai.shardformer import load_sharded_state_dict
 
         load_sharded_state_dict(self.module, read, self.rename)
+
+
+def _is_peft(module: nn.Module) -> bool:
+    return hasattr(module, "get_base_model") and type(module).__name__.startswith("Peft")
 
 
 def _same(key: str) -> str:
