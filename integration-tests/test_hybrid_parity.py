@@ -12,6 +12,7 @@ model's names), so the test also covers what ``save_model`` writes.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -132,10 +133,13 @@ def rows(b: dict[str, torch.Tensor], part: int, parts: int) -> dict[str, torch.T
     return {k: v.chunk(parts)[part] for k, v in b.items()}
 
 
-def reference_run(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = hybrid_llama(case.layout.tied)
+@functools.cache
+def reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The one-process run (cached: a pooled worker keeps this module between cases, so each worker computes each
+    of the six references once; callers only read the result)."""
+    model = hybrid_llama(tied)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    micro = 2 if case.mode == "accum" else 1
+    micro = 2 if mode == "accum" else 1
     losses = []
     for step in range(STEPS):
         total = 0.0
@@ -143,7 +147,7 @@ def reference_run(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
             loss = model(**rows(batch(step), i, micro)).loss / micro
             loss.backward()
             total += loss.item()
-        if case.mode == "clip":
+        if mode == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
@@ -166,7 +170,7 @@ def boosted_run(case: Case) -> float:
     from cai.booster import Booster
     from cai.booster.plugin import HybridParallelPlugin
 
-    ref_losses, ref_params = reference_run(case)
+    ref_losses, ref_params = reference_run(case.layout.tied, case.mode)
     plugin = HybridParallelPlugin(precision="fp32", max_norm=MAX_NORM if case.mode == "clip" else 0.0,
                                   **case.layout.plugin_kwargs())  # fmt: skip
     booster = Booster(plugin=plugin, device="cpu")

@@ -11,6 +11,7 @@ ranks' checkpoint pieces (experts under their global index).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -60,9 +61,9 @@ CASES += [
 ]
 
 
-def model_for(case: Case) -> torch.nn.Module:
-    model = tiny_moe(case.family, aux=case.data != "split")
-    if case.data == "skewed":
+def model_for(family: str, data: str) -> torch.nn.Module:
+    model = tiny_moe(family, aux=data != "split")
+    if data == "skewed":
         # channel 0 of every token is a large constant that only expert 0's router row reads
         with torch.no_grad():
             model.get_input_embeddings().weight[:, 0] = 0.1
@@ -78,8 +79,10 @@ def batch(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = model_for(case)
+@functools.cache
+def reference(family: str, data: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The one-process run, cached per worker process (see test_hybrid_parity.reference_run)."""
+    model = model_for(family, data)
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
     losses = []
     for step in range(STEPS):
@@ -95,11 +98,11 @@ def boosted_run(case: Case) -> float:
     from cai.booster import Booster
     from cai.booster.plugin import MoeHybridParallelPlugin
 
-    ref_losses, ref_params = reference(case)
+    ref_losses, ref_params = reference(case.family, case.data)
     plugin = MoeHybridParallelPlugin(tp_size=case.tp, pp_size=1, ep_size=case.ep, zero_stage=case.zero,
                                      precision="fp32")  # fmt: skip
     booster = Booster(plugin=plugin, device="cpu")
-    model = model_for(case)
+    model = model_for(case.family, case.data)
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
     model, opt, *_ = booster.boost(model, opt)
     replicas, me = plugin.dp_size, plugin.dp_rank  # the dense weights' dp x ep

@@ -492,7 +492,7 @@ def _check_collective_timeout(block: Block, tmp_path: Path) -> None:
         "try:\n"
         "    dist.barrier()\n"
         "except Exception:\n"
-        "    time.sleep(8 * dist.get_rank())  # rank 0 prints its error before the launcher stops the job\n"
+        "    time.sleep(20 * dist.get_rank())  # rank 0 prints its error before the launcher stops the job\n"
         "    raise\n"
     )
     argv = [*_cai("run", "--standalone", "--nproc_per_node", "2"), str(program)]
