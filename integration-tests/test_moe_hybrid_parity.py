@@ -255,3 +255,33 @@ def test_moe_misconfiguration_fails_at_boost() -> None:
         "has 6 experts, which do not split evenly over ep_size=4"
         in run_distributed(_misconfigured, 4, "experts")[0]
     )
+
+
+def _lazy_moe() -> float:
+    """Random lazy init at ep 2 x dp 2: dense weights agree over dp x ep, each expert over dp."""
+    from cai.booster import Booster, LazyInitContext
+    from cai.booster.plugin import MoeHybridParallelPlugin
+
+    with LazyInitContext():
+        model = tiny_moe("mixtral", aux=False)
+    plugin = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1, precision="fp32")
+    booster = Booster(plugin=plugin, device="cpu")
+    model, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), **ADAM))
+    pieces = {n: [(s.tensor.detach().clone(), s.spec) for s in (e if isinstance(e, list) else [e])]
+              for n, e in plugin.model_state(model).sharded_state_dict().items()}  # fmt: skip
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    for n in pieces:
+        first: dict = {}
+        for r in everyone:
+            for t, spec in r.get(n, []):
+                assert torch.equal(first.setdefault(spec, t), t), f"two copies of {n} {spec} differ"
+    loss = model(**batch(0)).loss
+    return loss.item()
+
+
+def test_moe_lazy_init_copies_agree() -> None:
+    import math
+
+    losses = run_distributed(_lazy_moe, 4, timeout=240)
+    assert all(abs(x - math.log(VOCAB)) < 0.5 for x in losses), losses

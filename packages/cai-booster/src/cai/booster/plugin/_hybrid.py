@@ -304,7 +304,7 @@ class HybridParallelPlugin(Plugin):
     @property
     def stage_manager(self) -> Any:
         """This rank's ``cai.pipeline.PipelineStageManager`` (None without pipeline parallelism)."""
-        return self._manager if self.pp_size > 1 else None
+        return getattr(self, "_manager", None) if self.pp_size > 1 else None
 
     # ---- the plugin contract --------------------------------------------------------------------------------
     @property
@@ -438,6 +438,10 @@ class HybridParallelPlugin(Plugin):
             return
         _initialise(module)
         _agree(module, rename, self)
+
+    def _replica_sets(self, module: nn.Module, rename: Callable) -> list[tuple[Any, list[nn.Parameter]]]:
+        """(group, parameters) whose copies over the group must hold the same values (lazy random init)."""
+        return [(self.mesh.group(("dp", "sp")), list(module.parameters()))]
 
     def _zero(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, named: list, rename: Callable
@@ -617,16 +621,15 @@ def _replicas(
 # A model built under LazyInitContext is sharded and split while its parameters are still on the meta device, so a
 # rank allocates only what it keeps. From ``from_pretrained``, each rank then reads its blocks from the safetensors
 # files. With random initialisation each rank draws its own values, so the copies that must agree are made equal
-# afterwards, from the lowest rank holding each: every tensor over dp x sp (the replicas of one tp block of one
-# stage), tensors held identically by several tp ranks (norm weights; kv heads replicated over tp) over tp, and a
+# afterwards, from the lowest rank holding each: every tensor over its replicas (dp x sp: the replicas of one tp
+# block of one stage; under MoeHybridParallelPlugin dense weights over dp x ep, experts over dp), tensors held identically by several tp ranks (norm weights; kv heads replicated over tp) over tp, and a
 # tied head copy from the first stage's embedding.
 def _agree(module: nn.Module, rename: Callable[[str], str], plugin: HybridParallelPlugin) -> None:
     from cai.shardformer import sharded_state_dict
 
-    replicas = plugin.mesh.group(
-        ("dp", "sp")
-    )  # buffers stayed real (LazyInitContext): computed alike on every rank
-    broadcast_tensors(list(module.parameters()), src=dist.get_global_rank(replicas, 0), group=replicas)
+    # buffers stayed real (LazyInitContext): computed alike on every rank
+    for group, params in plugin._replica_sets(module, rename):
+        broadcast_tensors(params, src=dist.get_global_rank(group, 0), group=group)
     if plugin.tp_size > 1:
         tp = plugin.tp_group
         params = dict(_named_parameters(module, rename))

@@ -111,6 +111,14 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
     def _shard_config_extra(self) -> dict[str, Any]:
         return {"ep_group": self.ep_group} if self.ep_size > 1 else {}
 
+    def _replica_sets(self, module: nn.Module, rename: Callable) -> list[tuple[Any, list[nn.Parameter]]]:
+        experts = _expert_names(module, rename) if self.ep_size > 1 else set()
+        named = [(rename(n), p) for n, p in module.named_parameters()]
+        return [
+            (self.dp_group, [p for n, p in named if n not in experts]),
+            (self.moe_dp_group, [p for n, p in named if n in experts]),
+        ]
+
     def _reduction(self, module: nn.Module, named: list, rename: Callable) -> dict[str, Any]:
         out = super()._reduction(module, named, rename)
         experts = _expert_names(module, rename) if self.ep_size > 1 else set()
