@@ -69,9 +69,14 @@ def build(cfg, device: torch.device) -> torch.nn.Module:
         return transformers.MixtralForCausalLM(cfg)
 
 
-def peer(cfg, device: torch.device, batch: dict):
-    """transformers' model in fp32 with bf16 autocast, fused AdamW (what a plain PyTorch user writes)."""
+def peer(cfg, device: torch.device, batch: dict, experts: str = "eager", pure: bool = False):
+    """transformers' model with fused AdamW: fp32 parameters with bf16 autocast (what a plain PyTorch user writes),
+    or with ``pure`` bf16 parameters and no master copy; ``experts`` is transformers' experts implementation
+    (``"eager"``: its loop over experts; ``"grouped_mm"``: torch._grouped_mm, which needs bf16 weights)."""
     model = build(cfg, device)
+    model.config._experts_implementation = experts
+    if pure:
+        model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def step() -> float:
@@ -141,10 +146,20 @@ def main() -> None:
         f" b{args.batch_size} s{args.max_length}, bf16 compute, fp32 masters, fused AdamW, {device}",
         flush=True,
     )
-    results: dict[str, list[float]] = {"peer": [], "cai": []}
+    runs = {
+        "peer": peer,
+        "peer-grouped-pure": lambda c, d, b: peer(c, d, b, experts="grouped_mm", pure=True),
+        "cai": cai,
+    }
+    labels = {
+        "peer": "transformers Mixtral (eager experts loop), fp32 params + autocast bf16, fused AdamW",
+        "peer-grouped-pure": "transformers Mixtral (grouped_mm experts), bf16 params, no fp32 master, fused AdamW",
+        "cai": "MoeHybridParallelPlugin(ep_size=1), grouped GEMM experts, bf16 + fp32 masters, fused AdamW",
+    }
+    results: dict[str, list[float]] = {name: [] for name in runs}
     peaks: dict[str, float] = {}
     for r in range(args.rounds):
-        for name, make in (("peer", peer), ("cai", cai)):
+        for name, make in runs.items():
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -157,8 +172,7 @@ def main() -> None:
             del step, keep
     rows = []
     base = statistics.median(results["peer"])
-    for name, label in (("peer", "transformers Mixtral + fused AdamW (autocast bf16)"),
-                        ("cai", "MoeHybridParallelPlugin(ep_size=1), grouped GEMM experts")):  # fmt: skip
+    for name, label in labels.items():
         t = statistics.median(results[name])
         rows.append((label, tokens / t, base / t, flops / t / 1e12, peaks.get(name, float("nan"))))
     print("\n| configuration | tok/s | ratio to peer | model TFLOP/s | peak GiB |\n|---|---|---|---|---|")
