@@ -92,16 +92,22 @@ def make_plugin(name: str):
     raise ValueError(name)
 
 
-def gathered_params(booster, model) -> dict[str, torch.Tensor]:
-    """Every parameter assembled from all ranks' pieces of the plugin's state (the checkpoint's source of truth)."""
-    pieces = {
-        n: (s.tensor.detach().float().cpu().clone(), s.spec)
-        for n, s in booster.plugin.model_state(model).sharded_state_dict().items()
-    }
-    everyone = [None] * dist.get_world_size()
+def gathered_params(booster, model, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter assembled from all ranks' pieces of the plugin's state (the checkpoint's source of truth).
+
+    ``names``: which tensors (default: the unwrapped model's parameter names; ``"all"``: every name of the state,
+    buffers included, for a pipelined model whose own names are not the checkpoint's)."""
+    pieces: dict[str, list] = {}
+    for n, entry in booster.plugin.model_state(model).sharded_state_dict().items():
+        for s in entry if isinstance(entry, list) else [entry]:  # a list: several blocks of one tensor
+            pieces.setdefault(n, []).append((s.tensor.detach().float().cpu().clone(), s.spec))
+    everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, pieces)
-    names = {n for n, _ in model.unwrap().named_parameters()}
-    return {n: assemble([LocalShard(*r[n]) for r in everyone if n in r]) for n in names}
+    if names is None:
+        names = {n for n, _ in model.unwrap().named_parameters()}
+    elif names == "all":
+        names = {n for r in everyone for n in r}
+    return {n: assemble([LocalShard(*p) for r in everyone for p in r.get(n, [])]) for n in sorted(names)}
 
 
 def last_rank_padding(plugin: str, model, optimizer) -> int:

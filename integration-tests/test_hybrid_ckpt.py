@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from cai.mesh import LocalShard, assemble
 from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-from _booster_cases import VOCAB, hybrid_llama  # noqa: E402
+from _booster_cases import VOCAB, gathered_params, hybrid_llama  # noqa: E402
 
 SEQ = 12
 GLOBAL_BATCH = 8
@@ -129,14 +128,7 @@ def local_step(booster, model, opt, mine: torch.Tensor) -> float:
 
 def gathered(booster, model) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor assembled from all ranks' pieces of the plugin's state."""
-    pieces: dict[str, list] = {}
-    for n, entry in booster.plugin.model_state(model).sharded_state_dict().items():
-        for s in entry if isinstance(entry, list) else [entry]:
-            pieces.setdefault(n, []).append((s.tensor.detach().float().clone(), s.spec))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, pieces)
-    names = sorted({n for r in everyone for n in r})
-    return {n: assemble([LocalShard(*p) for r in everyone for p in r.get(n, [])]) for n in names}
+    return gathered_params(booster, model, "all")
 
 
 def shared_tmpdir() -> str:

@@ -19,12 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cai.mesh import LocalShard, assemble
 from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-from _booster_cases import VOCAB, hybrid_llama  # noqa: E402
+from _booster_cases import VOCAB, gathered_params, hybrid_llama  # noqa: E402
 
 STEPS = 20
 GLOBAL_BATCH = 8
@@ -153,17 +152,6 @@ def reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.T
         opt.zero_grad()
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def gathered_params(booster, model, names: set[str]) -> dict[str, torch.Tensor]:
-    """Every parameter assembled from all ranks' pieces of the plugin's checkpoint state."""
-    pieces: dict[str, list] = {}
-    for n, entry in booster.plugin.model_state(model).sharded_state_dict().items():
-        for s in entry if isinstance(entry, list) else [entry]:
-            pieces.setdefault(n, []).append((s.tensor.detach().float().clone(), s.spec))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, pieces)
-    return {n: assemble([LocalShard(*p) for r in everyone for p in r.get(n, [])]) for n in names}
 
 
 def boosted_run(case: Case) -> float:

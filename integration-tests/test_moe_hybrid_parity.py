@@ -18,12 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cai.mesh import LocalShard, assemble
 from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-from _booster_cases import VOCAB, tiny_moe  # noqa: E402
+from _booster_cases import VOCAB, gathered_params, tiny_moe  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ = 10, 8, 12
 ADAM = dict(lr=1e-3, eps=1e-4)  # see test_parity_matrix.py
@@ -123,13 +122,7 @@ def boosted_run(case: Case) -> float:
         losses.append(total.item() / replicas)
     assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64),
                  rtol=1e-5, name=f"{case.id} loss")  # fmt: skip
-    pieces: dict[str, list] = {}
-    for n, entry in plugin.model_state(model).sharded_state_dict().items():
-        for s in entry if isinstance(entry, list) else [entry]:
-            pieces.setdefault(n, []).append((s.tensor.detach().clone(), s.spec))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, pieces)
-    params = {n: assemble([LocalShard(*p) for r in everyone for p in r.get(n, [])]) for n in ref_params}
+    params = gathered_params(booster, model, set(ref_params))
     assert_close(params, ref_params, rtol=1e-5, atol=1e-6, name=f"{case.id} params")
     return losses[-1]
 
@@ -177,17 +170,6 @@ def _steps(booster, model, opt, steps: range) -> list[float]:
     return out
 
 
-def _pieces(booster, model) -> dict[str, torch.Tensor]:
-    pieces: dict[str, list] = {}
-    for n, entry in booster.plugin.model_state(model).sharded_state_dict().items():
-        for s in entry if isinstance(entry, list) else [entry]:
-            pieces.setdefault(n, []).append((s.tensor.detach().clone(), s.spec))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, pieces)
-    names = sorted({n for r in everyone for n in r})
-    return {n: assemble([LocalShard(*p) for r in everyone for p in r.get(n, [])]) for n in names}
-
-
 def _save(ep: int, zero: int) -> dict:
     import os
 
@@ -196,7 +178,7 @@ def _save(ep: int, zero: int) -> dict:
     path = _shared_dir()
     booster.save_model(model, os.path.join(path, "model"), shard=True, size_per_shard=0.01)
     booster.save_optimizer(opt, os.path.join(path, "optim"), shard=True, size_per_shard=0.01)
-    params = _pieces(booster, model)
+    params = gathered_params(booster, model, "all")
     return {"path": path, "params": params, "losses": _steps(booster, model, opt, range(3, 6))}
 
 
@@ -206,7 +188,7 @@ def _load(ep: int, zero: int, path: str) -> dict:
     booster, model, opt = _boosted(ep, zero)
     booster.load_model(model, os.path.join(path, "model"))
     booster.load_optimizer(opt, os.path.join(path, "optim"))
-    params = _pieces(booster, model)
+    params = gathered_params(booster, model, "all")
     return {"params": params, "losses": _steps(booster, model, opt, range(3, 6))}
 
 
