@@ -121,6 +121,40 @@ def test_benchmark_on_two_ranks_shards_the_fsdp2_peer_too(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+def test_bench_infer_tiny_runs_every_mode_and_writes_json(tmp_path: Path) -> None:
+    """Every mode of bench_infer.py on the tiny preset at small sizes: offline and single stream against every
+    transformers peer (hf-compile through dynamo with the eager backend: inductor's C++ build would dominate), the
+    HTTP server under Poisson arrivals at two rates, and prefix caching off and on."""
+    out = _run(
+        [str(EXAMPLES / "benchmarks" / "bench_infer.py"), "-c", "tiny", "-n", "8", "--min-prompt", "8",
+         "--max-prompt", "24", "--output-len", "8", "--single-prompt", "16", "--single-new", "16",
+         "--max-batch-size", "4", "--compile-backend", "eager", "--rates", "8,32", "--server-requests", "6",
+         "--system-len", "64", "--min-suffix", "4", "--max-suffix", "8"],
+        timeout=300,
+        env={"OUT": str(tmp_path)},
+    )  # fmt: skip
+    data = json.loads((tmp_path / "bench_infer_tiny.json").read_text())
+    assert data["modes"] == ["offline", "single", "server", "prefix"]
+    assert list(data["offline"]) == ["hf generate_batch", "hf generate", "cai"], data["offline"]
+    assert list(data["single"]) == ["hf generate", "hf generate static+compile", "cai"], data["single"]
+    for row in [*data["offline"].values(), *data["single"].values()]:
+        assert "error" not in row, row
+    assert data["offline"]["cai"]["output_tokens"] == 8 * 8
+    assert data["single"]["hf generate static+compile"]["compile_backend"] == "eager"
+    server = data["server"]
+    assert server["via"] == "http" and server["client"] in ("httpx", "aiohttp"), server
+    assert list(server["rates"]) == ["8", "32"]
+    for row in server["rates"].values():
+        assert (row["ok"], row["errors"], row["short"], row["output_tokens"]) == (6, 0, 0, 6 * 8), row
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and 0 < row["tpot_p50_s"] <= row["tpot_p99_s"], row
+    prefix = data["prefix"]
+    assert prefix["caching off"]["prefix_hit_tokens"] == 0 and prefix["caching on"]["prefix_hit_tokens"] >= 64
+    assert prefix["ratio"] > 0
+    for header in ("cai vs it", "compile+warmup s", "TTFT p99 ms", "on vs off"):
+        assert header in out, out
+
+
+@pytest.mark.slow
 def test_finetune_hf_lora_adapter_reloads_with_peft(tmp_path: Path) -> None:
     """A local HF directory with weights, LoRA under ZeRO-2, the adapter saved and reloaded onto the base."""
     import torch
