@@ -7,6 +7,7 @@ from ._attention import ATTENTION_NAME, PagedKVCache
 from ._blocks import BlockManager
 from ._config import InferenceConfig
 from ._engine import InferenceEngine, RequestOutput
+from ._lockstep import LockstepDriver
 from ._sampling import SamplingParams
 
 __version__ = _version("cai-infer")
@@ -17,6 +18,7 @@ __all__ = [
     "BlockManager",
     "InferenceConfig",
     "InferenceEngine",
+    "LockstepDriver",
     "PagedKVCache",
     "RequestOutput",
     "SamplingParams",

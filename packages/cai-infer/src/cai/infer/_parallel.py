@@ -9,6 +9,15 @@ sampler are plain deterministic Python on each rank, so all ranks make the same 
 them; the only agreement that needs a message is the seed of a sampled request that brings none (drawn on rank 0
 and broadcast), since each rank's global RNG may differ. Each rank's paged cache holds its own kv heads
 (``local_kv_heads``), and the attention function sees the rank's heads only.
+
+Someone has to give every rank those requests. Offline, each rank's script calls ``generate`` with the same prompts.
+Online, requests arrive on one process: ``LockstepDriver`` (_lockstep.py [Note: lockstep driver]) wraps rank 0's
+engine, runs each ``add_request`` / ``abort_request`` there first and sends the commands, with the request's token
+ids, id and seed resolved on rank 0, to the other ranks in one broadcast per step; those run ``follow()``, which
+applies them in order and steps. ``AsyncInferenceEngine`` on rank 0 goes through a driver (it builds one for a
+tp engine), and ``cai serve --tp-size N`` under torchrun serves HTTP on rank 0 while the other ranks follow.
+The driver gives each unseeded sampled request its seed on rank 0 before adding it, so the engine's broadcast of
+the seed above (a collective only rank 0 would join) never runs under the driver.
 """
 
 from __future__ import annotations
