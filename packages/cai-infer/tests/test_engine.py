@@ -44,6 +44,18 @@ def test_config_defaults_dtypes_and_errors():
         InferenceConfig(start_token_size=32, enable_streamingllm=True)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="use_cuda_graph=1 must be True, False or None"):
+        InferenceConfig(use_cuda_graph=1)
+    with pytest.raises(ValueError, match="use_cuda_graph=True with tp_size=2"):
+        InferenceConfig(use_cuda_graph=True, tp_size=2)
+
+
+def test_cuda_paths_default_off_the_gpu(make_model, engines):
+    engine = InferenceEngine(make_model(), None, InferenceConfig(dtype="fp32"))
+    engines.append(engine)
+    assert engine.runner.graphs is None  # None: where CUDA graphs run, which a CPU model is not
+    with pytest.raises(ValueError, match="use_cuda_graph=True but the model is on cpu"):
+        InferenceEngine(make_model(), None, InferenceConfig(dtype="fp32", use_cuda_graph=True))
 
 
 def test_features_not_built_are_refused_by_name(make_model):

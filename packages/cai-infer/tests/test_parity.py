@@ -1,6 +1,8 @@
 """Greedy outputs equal transformers' ``generate`` token for token, for four families under every scheduling regime
 (a mixed-length batch, requests arriving while others decode, forced preemption, prefix sharing, chunked prefill)
-and two more (Qwen3; Gemma2 with soft-capping and alternating sliding windows) under all of them at once."""
+and two more (Qwen3; Gemma2 with soft-capping and alternating sliding windows) under all of them at once; and all
+six under all of them at once with decode steps run through the decode graphs' padded buffers (eagerly: the
+capture itself needs CUDA, see test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class Regime:
     max_batch_size: int = 8
     arrive_every: int = 0  # > 0: add one request every this many steps instead of all at once
     shared_prefix: int = 0  # tokens every prompt starts with
+    padded_decode: bool = False  # decode steps through DecodeGraphs' static buffers, padded to sizes 1, 2, 4
 
 
 REGIMES = [
@@ -36,6 +39,16 @@ REGIMES = [
     Regime("chunked", token_budget=5, max_batch_size=4),
     Regime("all", num_blocks=10, token_budget=6, shared_prefix=6, arrive_every=1, max_batch_size=4),
 ]
+# batches of 5 and 6 decode eagerly (over the largest size), of 3 pad to 4
+PADDED = Regime(
+    "all-padded",
+    num_blocks=12,
+    token_budget=8,
+    shared_prefix=6,
+    arrive_every=1,
+    max_batch_size=6,
+    padded_decode=True,
+)
 LENGTHS = (3, 13, 8, 1, 17, 6)
 
 _references: dict[tuple[str, int], list[list[int]]] = {}
@@ -60,7 +73,11 @@ def _reference(tiny_model, family: str, shared: int) -> list[list[int]]:
     return _references[key]
 
 
-CASES = [(f, r) for f in FAMILIES for r in REGIMES] + [(f, REGIMES[-1]) for f in ("qwen3", "gemma2")]
+CASES = (
+    [(f, r) for f in FAMILIES for r in REGIMES]
+    + [(f, REGIMES[-1]) for f in ("qwen3", "gemma2")]
+    + [(f, PADDED) for f in (*FAMILIES, "qwen3", "gemma2")]
+)
 
 
 @pytest.mark.parametrize(("family", "regime"), CASES, ids=[f"{f}-{r.name}" for f, r in CASES])
@@ -76,6 +93,11 @@ def test_greedy_matches_generate(family, regime, engines, make_model):
     )
     engine = InferenceEngine(make_model(family), None, config)
     engines.append(engine)
+    if regime.padded_decode:
+        engine.runner.use_decode_graphs([1, 2, 4], config.max_blocks_per_sequence, capture=False)
+        padded = []
+        run = engine.runner.graphs.run
+        engine.runner.graphs.run = lambda batch: padded.append(len(batch.seqs)) or run(batch)
     prompts = _prompts(regime.shared_prefix)
     gen = GenerationConfig(max_new_tokens=NEW)
     if regime.arrive_every:
@@ -102,5 +124,7 @@ def test_greedy_matches_generate(family, regime, engines, make_model):
         assert engine.blocks.num_hit_tokens > 0, (
             "later prompts were meant to reuse the shared prefix's blocks"
         )
+    if regime.padded_decode:
+        assert 3 in padded, f"no decode batch of 3 was padded to 4 (sizes seen: {sorted(set(padded))})"
     if regime.token_budget is not None:
         assert max(LENGTHS) + regime.shared_prefix > regime.token_budget  # the longest prompt is chunked

@@ -12,6 +12,8 @@ mask functions have no entry for this name, so transformers skips them).
 
 from __future__ import annotations
 
+import itertools
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,9 @@ ATTENTION_NAME = "cai_paged"
 
 
 class PagedKVCache:
-    """Preallocated K and V per layer, ``num_blocks * block_size`` slots of (kv_heads, head_dim) each.
+    """Preallocated K and V per layer, ``num_blocks * block_size`` slots of (kv_heads, head_dim) each, plus one
+    scratch block after them (``scratch_block``) that the block manager never hands out: the padding rows of a
+    captured decode batch write and read there.
 
     Slot ``block * block_size + offset`` holds the token at ``offset`` of ``block``."""
 
@@ -40,9 +44,14 @@ class PagedKVCache:
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks
+        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block ``src`` to block ``dst`` in every layer, for each ``(src, dst)`` (copy on write)."""
@@ -65,7 +74,7 @@ class PagedBatch:
     cache: PagedKVCache
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token
     positions: torch.Tensor  # (T,) position of each new token in its sequence
-    block_tables: torch.Tensor  # (S, max blocks) int32, padded with block 0
+    block_tables: torch.Tensor  # (S, max blocks) int32, padded with the scratch block
     query_start: torch.Tensor  # (S + 1,) int32 offsets of each sequence's new tokens
     num_computed: torch.Tensor  # (S,) int32 tokens cached before this step's
     max_query_len: int
@@ -81,26 +90,61 @@ class PagedBatch:
         num_new: list[int],
         device: torch.device | str,
     ) -> PagedBatch:
-        """The batch of sequences whose first ``num_computed[s]`` tokens are cached and ``num_new[s]`` follow."""
-        bs = cache.block_size
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)  # (S, W)
-        new = torch.tensor(num_new)
-        starts = torch.zeros(len(num_new) + 1, dtype=torch.long)
-        torch.cumsum(new, 0, out=starts[1:])
-        seq = torch.repeat_interleave(torch.arange(len(num_new)), new)  # (T,) sequence of each token
-        positions = torch.tensor(num_computed)[seq] + torch.arange(int(starts[-1])) - starts[seq]  # (T,)
-        slots = tables[seq, positions // bs] * bs + positions % bs  # (T,)
+        """The batch of sequences whose first ``num_computed[s]`` tokens are cached and ``num_new[s]`` follow.
+
+        The host side is plain int arrays packed into one buffer, sent in one copy (pinned, asynchronous on
+        CUDA)."""
+        device = torch.device(device)
+        S, T = len(num_new), sum(num_new)
+        width = max(map(len, block_tables))
+        host = host_int_arrays(cache, block_tables, num_computed, num_new, width)
+        flat = to_device(host, device)
+        tables, rest = flat[: S * width].view(S, width), flat[S * width :]
         return cls(
             cache=cache,
-            slot_mapping=slots.to(device),
-            positions=positions.to(device),
-            block_tables=tables.to(device=device, dtype=torch.int32),
-            query_start=starts.to(device=device, dtype=torch.int32),
-            num_computed=torch.tensor(num_computed, dtype=torch.int32, device=device),
+            slot_mapping=rest[2 * S + 1 : 2 * S + 1 + T].long(),
+            positions=rest[2 * S + 1 + T :].long(),
+            block_tables=tables,
+            query_start=rest[: S + 1],
+            num_computed=rest[S + 1 : 2 * S + 1],
             max_query_len=max(num_new),
             max_context_len=max(c + n for c, n in zip(num_computed, num_new, strict=True)),
         )
+
+
+def host_int_arrays(
+    cache: PagedKVCache,
+    block_tables: list[list[int]],
+    num_computed: list[int],
+    num_new: list[int],
+    width: int,
+) -> array:
+    """One int32 array: the block tables (S x width, padded with the scratch block), query starts (S + 1), tokens
+    computed (S), then each new token's slot (T) and position (T)."""
+    bs, pad = cache.block_size, cache.scratch_block
+    out = array("i")
+    for table in block_tables:
+        out.extend(table)
+        out.extend(itertools.repeat(pad, width - len(table)))
+    out.append(0)
+    out.extend(itertools.accumulate(num_new))
+    out.extend(num_computed)
+    positions = array("i")
+    for table, c, n in zip(block_tables, num_computed, num_new, strict=True):
+        for p in range(c, c + n):
+            out.append(table[p // bs] * bs + p % bs)
+        positions.extend(range(c, c + n))
+    out.extend(positions)
+    return out
+
+
+def to_device(host: array, device: torch.device) -> torch.Tensor:
+    """``host`` (an int32 array) as a tensor on ``device``: one asynchronous copy through pinned memory on
+    CUDA."""
+    cpu = torch.frombuffer(host, dtype=torch.int32) if len(host) else torch.empty(0, dtype=torch.int32)
+    if device.type != "cuda":
+        return cpu.clone()  # the array's buffer is reused by Python; own the data
+    return cpu.pin_memory().to(device, non_blocking=True)
 
 
 def _hf_paged_attention(

@@ -50,10 +50,17 @@ class InferenceConfig:
         do_sample, top_k, top_p, temperature, repetition_penalty, min_p: default sampling of requests that bring
             no generation config; ``do_sample=False`` is greedy.
         ignore_eos: keep generating after the end-of-sequence token, up to the request's limit.
+        use_cuda_graph: replay CUDA graphs for decode steps (see _runner.py [Note: decode graphs]). ``None``
+            (cai's default): on when the model is on a CUDA device and ``tp_size == 1``; ``True`` where that does
+            not hold is an error. The graphs are captured when the engine is built.
+        use_cuda_kernel: run the model's RMSNorm, SwiGLU MLP and rotary embedding through cai-kernels' fused
+            Triton kernels (``cai.kernels.patch_hf_model``, which replaces those modules in place). ``None``
+            (cai's default): on when the model is on a CUDA device.
 
     ``prefill_ratio``, ``pad_input``, ``early_stopping``, ``high_precision``, ``micro_batch_size``,
     ``micro_batch_buffer_size`` and ``max_context_len_to_capture`` are accepted and have no effect: batches are
-    never padded, prefill and decode share every step under the token budget, and scores are always fp32.
+    never padded (decode graphs pad to their captured size only), prefill and decode share every step under the
+    token budget, the decode graphs cover every context length, and scores are always fp32.
 
     ``use_spec_dec=True`` decodes speculatively from the start with prompt-lookup drafts of up to
     ``max_n_spec_tokens`` tokens (``InferenceEngine.enable_spec_dec`` takes a draft model).
@@ -61,8 +68,8 @@ class InferenceConfig:
     ``tp_size > 1`` shards the model over the default process group, which must hold ``tp_size`` ranks, each
     running its own engine on the same requests (see _parallel.py [Note: tensor-parallel engine]).
 
-    Colossal-AI fields for features this engine does not build yet (``pp_size`` > 1,
-    ``use_cuda_graph``, ``use_cuda_kernel``, ``kv_cache_dtype``, ``beam_width`` > 1,
+    Colossal-AI fields for features this engine does not build yet (``pp_size`` > 1, ``kv_cache_dtype``,
+    ``beam_width`` > 1,
     ``enable_streamingllm``, ``no_repeat_ngram_size``, ``forced_eos_token_id``, ``prompt_template``) are accepted
     here and refused by ``InferenceEngine`` with an error that names them.
 
@@ -97,9 +104,9 @@ class InferenceConfig:
     pp_size: int = 1
     micro_batch_size: int = 1
     micro_batch_buffer_size: int | None = None
-    use_cuda_kernel: bool = False
+    use_cuda_kernel: bool | None = None  # Colossal-AI: False; None is "where it runs" (see above)
     high_precision: bool | None = False
-    use_cuda_graph: bool = False
+    use_cuda_graph: bool | None = None  # Colossal-AI: False; None is "where it runs" (see above)
     max_context_len_to_capture: int = 512
     enable_streamingllm: bool = False
     start_token_size: int = 4
@@ -136,6 +143,17 @@ class InferenceConfig:
                 f"InferenceConfig.max_num_batched_tokens={self.max_num_batched_tokens} is below max_batch_size="
                 f"{self.max_batch_size}: a full batch could not decode one token per sequence each step; raise it "
                 "or lower max_batch_size"
+            )
+        for name in ("use_cuda_graph", "use_cuda_kernel"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(
+                    f"InferenceConfig.{name}={value!r} must be True, False or None (where it runs)"
+                )
+        if self.use_cuda_graph and self.tp_size > 1:
+            raise ValueError(
+                f"InferenceConfig.use_cuda_graph=True with tp_size={self.tp_size}: decode graphs are built for one "
+                "rank only; leave use_cuda_graph=None (off under tensor parallelism) or set tp_size=1"
             )
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"InferenceConfig.top_k={self.top_k} must be >= 0 (0 or None: no top-k)")
@@ -181,8 +199,6 @@ class InferenceConfig:
             "forced_eos_token_id",
             "glimpse_large_kv",
             "pp_size",
-            "use_cuda_kernel",
-            "use_cuda_graph",
             "enable_streamingllm",
             "patched_parallelism_size",
         ]

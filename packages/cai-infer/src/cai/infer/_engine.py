@@ -13,7 +13,7 @@ from torch import nn
 from ._blocks import BlockManager
 from ._config import InferenceConfig
 from ._parallel import shard_for_inference, shared_seed
-from ._runner import ModelRunner, kv_cache_for
+from ._runner import ModelRunner, graph_batch_sizes, kv_cache_for
 from ._sampling import SamplingParams, apply_penalties_and_masks, logprobs_of, sample
 from ._scheduler import Scheduler, Sequence, SequenceStatus
 from ._speculative import ModelDrafter, PromptLookupDrafter, verify
@@ -42,7 +42,9 @@ class InferenceEngine:
         tokenizer: a transformers tokenizer, or None: loaded from ``model_or_path`` when it is a path; without
             one, requests pass token ids and outputs carry no text.
         inference_config: batching, cache and sampling defaults (``InferenceConfig()`` when None). The model is
-            cast to its ``dtype`` and switched to the engine's attention (``attn_implementation="cai_paged"``).
+            cast to its ``dtype`` and switched to the engine's attention (``attn_implementation="cai_paged"``);
+            on CUDA its norms, MLPs and rotary run cai-kernels' fused kernels and decode steps replay CUDA graphs
+            captured here (``use_cuda_kernel``, ``use_cuda_graph``).
         verbose: unused; kept for Colossal-AI's signature.
 
     Example::
@@ -104,6 +106,20 @@ class InferenceEngine:
             self.blocks, max_batch_size=config.max_batch_size, token_budget=config.token_budget
         )
         self.runner = ModelRunner(model, self.cache)
+        on_cuda = self.runner.device.type == "cuda"
+        if config.use_cuda_kernel or (config.use_cuda_kernel is None and on_cuda):
+            from cai.kernels import patch_hf_model
+
+            patch_hf_model(model, fused_loss=False)  # fused RMSNorm, SwiGLU and rotary; the same weights
+        if config.use_cuda_graph and not on_cuda:
+            raise ValueError(
+                f"InferenceConfig.use_cuda_graph=True but the model is on {self.runner.device}; CUDA graphs need a "
+                "CUDA device (leave use_cuda_graph=None to use them where they run)"
+            )
+        if config.use_cuda_graph or (config.use_cuda_graph is None and on_cuda and config.tp_size == 1):
+            self.runner.use_decode_graphs(
+                graph_batch_sizes(config.max_batch_size), config.max_blocks_per_sequence
+            )
         self._arrivals = itertools.count()
         self._requests: dict[str, Sequence] = {}
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

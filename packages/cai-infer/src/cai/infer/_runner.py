@@ -1,13 +1,34 @@
-"""One forward of a Hugging Face causal LM over a scheduled batch, packed without padding."""
+"""One forward of a Hugging Face causal LM over a scheduled batch, packed without padding; decode steps replay
+captured CUDA graphs.
+
+[Note: decode graphs]
+A decode step (every sequence brings one token, no drafts) has the same shapes whatever its contents, once the
+batch is padded up to one of a few sizes. ``DecodeGraphs`` keeps static device buffers for the largest size (token
+ids, positions, cache slots, block tables as wide as the longest sequence, tokens computed; the query starts are
+``arange``, one token a sequence) and captures one CUDA graph per size, the largest first, all in one memory pool:
+the whole model forward, with the paged attention reading its inputs from those buffers. A step copies its
+sequences' rows into the buffers (one host-to-device copy), fills the padding rows with a sequence of one token
+at position 0 in the cache's scratch block, replays the graph of the smallest size that holds the batch and keeps
+the first rows of the logits. The split-K count of the attention is fixed per size at capture, from the longest
+possible context; splits past a sequence's end see no keys and weigh nothing. Prefill and mixed steps, and steps
+with drafts, run eagerly. Off CUDA the same padded buffers run eagerly (``capture=False``), which is how the
+padding is tested on CPU.
+"""
 
 from __future__ import annotations
+
+import logging
+import time
+from array import array
 
 import torch
 from torch import nn
 
-from ._attention import ATTENTION_NAME, PagedBatch, PagedKVCache
+from ._attention import ATTENTION_NAME, PagedBatch, PagedKVCache, to_device
 from ._parallel import local_kv_heads
 from ._scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
 
 
 def kv_cache_for(
@@ -30,6 +51,134 @@ def kv_cache_for(
     )
 
 
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """The decode batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 16, and the largest."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_batch_size} | set(range(16, max_batch_size, 16))
+    return sorted(sizes | {max_batch_size})
+
+
+class DecodeGraphs:
+    """Captured decode forwards for the batch sizes in ``sizes`` (see [Note: decode graphs])."""
+
+    def __init__(
+        self, model: nn.Module, cache: PagedKVCache, *, sizes: list[int], max_blocks: int, capture: bool
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.sizes = sorted(sizes)
+        self.max_blocks = max_blocks
+        self.capture = capture
+        dev = cache.device
+        b = self.sizes[-1]
+        # one int32 buffer: tables (b x max_blocks), tokens computed (b), token ids (b), slots (b), positions (b)
+        self._flat = torch.zeros(b * max_blocks + 4 * b, dtype=torch.int32, device=dev)
+        self._tables = self._flat[: b * max_blocks].view(b, max_blocks)
+        rest = self._flat[b * max_blocks :]
+        self._computed, ids, slots, positions = rest.view(4, b).unbind(0)
+        # HF embeddings and index_put want int64 token ids, positions and slots: int64 copies made inside the graph
+        self._ids, self._slots, self._positions = ids, slots, positions
+        self._query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self._keep = torch.arange(b, device=dev)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def _forward(self, b: int) -> torch.Tensor:
+        paged = PagedBatch(
+            cache=self.cache,
+            slot_mapping=self._slots[:b].long(),
+            positions=self._positions[:b].long(),
+            block_tables=self._tables[:b],
+            query_start=self._query_start[: b + 1],
+            num_computed=self._computed[:b],
+            max_query_len=1,
+            max_context_len=self.max_blocks * self.cache.block_size,  # sizes the split-K count once
+        )
+        out = self.model(
+            input_ids=self._ids[:b].long()[None],
+            position_ids=paged.positions[None],
+            use_cache=False,
+            logits_to_keep=self._keep[:b],
+            cai_paged=paged,
+        )
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        start = time.perf_counter()
+        self._fill([], [], [], self.sizes[-1])  # every row a padding row: valid inputs for the warm-up runs
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture: compiles the kernels, sets up cuBLAS
+            for b in self.sizes:
+                self._forward(b)
+        torch.cuda.current_stream().wait_stream(side)
+        for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[b] = self._forward(b)
+            self._graphs[b] = graph
+        torch.cuda.synchronize()
+        logger.info(
+            "cai-infer: captured decode graphs for batch sizes %s in %.1f s",
+            self.sizes,
+            time.perf_counter() - start,
+        )
+
+    def covers(self, batch: ScheduledBatch, drafts: list[list[int]] | None) -> bool:
+        """Whether ``batch`` is a decode step a graph can run: one token a sequence, no drafts, few enough."""
+        return (
+            drafts is None
+            and len(batch.seqs) <= self.sizes[-1]
+            and all(n == 1 for n in batch.num_new)
+            and all(batch.samples)
+            and all(len(seq.block_table) <= self.max_blocks for seq in batch.seqs)
+        )
+
+    def _fill(self, tables: list[list[int]], computed: list[int], ids: list[int], b: int) -> None:
+        """Copy the rows of ``len(ids)`` sequences into the buffers, padding rows up to ``b``."""
+        bs, pad, width, s = self.cache.block_size, self.cache.scratch_block, self.max_blocks, len(ids)
+        host = array("i")
+        for table in tables:
+            host.extend(table)
+            host.extend([pad] * (width - len(table)))
+        host.extend([pad] * ((b - s) * width))
+        host.extend(computed)
+        host.extend([0] * (b - s))
+        host.extend(ids)
+        host.extend([0] * (b - s))
+        host.extend(t[c // bs] * bs + c % bs for t, c in zip(tables, computed, strict=True))
+        host.extend([pad * bs] * (b - s))
+        host.extend(computed)  # the new token's position is the count of tokens before it
+        host.extend([0] * (b - s))
+        dev = to_device(host, self.cache.device)
+        self._tables[:b].copy_(dev[: b * width].view(b, width))
+        parts = dev[b * width :].view(4, b)
+        for dst, src in zip((self._computed, self._ids, self._slots, self._positions), parts, strict=True):
+            dst[:b].copy_(src)
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The logits (fp32) of each sequence's next token, in batch order."""
+        s = len(batch.seqs)
+        b = next(size for size in self.sizes if size >= s)
+        computed = list(batch.num_computed)
+        self._fill(
+            [seq.block_table for seq in batch.seqs],
+            computed,
+            [seq.tokens[c] for seq, c in zip(batch.seqs, computed, strict=True)],
+            b,
+        )
+        if self.capture:
+            self._graphs[b].replay()
+            logits = self._logits[b]
+        else:
+            with torch.inference_mode():
+                logits = self._forward(b)
+        return logits[:s].float()
+
+
 class ModelRunner:
     """Runs ``model`` (switched to the ``cai_paged`` attention) on the new tokens of a ``ScheduledBatch``."""
 
@@ -38,6 +187,14 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
+        self.graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, sizes: list[int], max_blocks: int, *, capture: bool = True) -> None:
+        """Run decode steps of up to ``max(sizes)`` sequences through ``DecodeGraphs`` (captured when
+        ``capture``, else the same padded buffers run eagerly)."""
+        self.graphs = DecodeGraphs(
+            self.model, self.cache, sizes=sizes, max_blocks=max_blocks, capture=capture
+        )
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> torch.Tensor:
@@ -48,6 +205,8 @@ class ModelRunner:
         caller reserved), the drafts run after the sequence's tokens and each sampling sequence gets
         ``1 + len(its drafts)`` rows: the logits after its last token and after each draft."""
         self.cache.copy_blocks(batch.copies)
+        if self.graphs is not None and self.graphs.covers(batch, drafts):
+            return self.graphs.run(batch)
         drafts = drafts or [[] for _ in batch.seqs]
         ids: list[int] = []
         keep: list[int] = []
@@ -67,11 +226,14 @@ class ModelRunner:
             num_new=num_new,
             device=self.device,
         )
+        host = array("i", ids)
+        host.extend(keep or [len(ids) - 1])
+        dev = to_device(host, self.device).long()
         out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),  # (1, T): packed, no padding
+            input_ids=dev[: len(ids)][None],  # (1, T): packed, no padding
             position_ids=paged.positions[None],
             use_cache=False,
-            logits_to_keep=torch.tensor(keep or [len(ids) - 1], device=self.device),
+            logits_to_keep=dev[len(ids) :],
             cai_paged=paged,
         )
         logits = out.logits[0].float()  # (len(keep), vocab)

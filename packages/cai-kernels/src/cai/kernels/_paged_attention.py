@@ -97,11 +97,12 @@ def _paged_attention_torch(
 
 
 def _auto_splits(query: torch.Tensor, programs: int, max_q: int, max_ctx: int) -> int:
-    # Split-K only pays for decode batches that leave SMs idle and have long contexts (>= 4 key tiles a split).
+    # Split-K only pays for decode batches that leave SMs idle and have long contexts (>= 2 key tiles a split).
     if max_q != 1 or query.device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    return max(1, min(sms // max(programs, 1), max_ctx // 256, 16))
+    want = max(1, min(sms // max(programs, 1), max_ctx // 128, 16))
+    return 1 << (want.bit_length() - 1)  # a power of two: each split count is its own compiled kernel
 
 
 def _paged_attention_triton(
@@ -140,7 +141,7 @@ def _paged_attention_triton(
         o_strides[2], part_m.stride(0), part_m.stride(1), nkv, scaling, window or 0, softcap or 1.0, NUM_SPLITS=splits,
         GROUP=group, HEAD_DIM=hd, BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_M=block_m, ROWS=rows,
         BLOCK_N=64 if hd <= 128 else 32, PAGE=block_size, USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None,
+        USE_SOFTCAP=softcap is not None, PIPELINE=query.device.type == "cuda",
     )  # fmt: skip
     if splits == 1:
         return out

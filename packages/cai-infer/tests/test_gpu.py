@@ -1,0 +1,93 @@
+"""CUDA paths of the engine: captured decode graphs and cai-kernels' fused kernels (both on by default there), the
+Triton paged attention. Greedy tokens equal transformers' ``generate`` in fp32 under arrivals, chunked prefill,
+prefix sharing and preemption; in bf16 the graph replays give the same tokens as the eager engine. Skipped without
+CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from cai.infer import InferenceConfig, InferenceEngine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NEW = 12
+LENGTHS = (3, 13, 8, 1, 17, 6, 30, 2, 9)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, 251, (6,), generator=g).tolist()
+    return [prefix + torch.randint(0, 251, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _run(engine: InferenceEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """One request every step (arrivals while others decode); the outputs in request order."""
+    gen = GenerationConfig(max_new_tokens=NEW)
+    done: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(request_ids=i, prompts_token_ids=p, generation_config=gen)
+        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def _config(dtype: str, **kw) -> InferenceConfig:
+    return InferenceConfig(
+        dtype=dtype,
+        block_size=4,
+        num_blocks=40,
+        max_num_batched_tokens=12,
+        max_batch_size=6,
+        max_input_len=40,
+        max_output_len=NEW,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_graphs_match_generate_fp32(family, make_model, engines):
+    model = make_model(family).cuda()
+    prompts = _prompts()
+    want = []
+    for p in prompts:
+        ids = model.generate(
+            torch.tensor([p], device="cuda"), max_new_tokens=NEW, do_sample=False, pad_token_id=0
+        )
+        want.append(ids[0, len(p) :].tolist())
+    engine = InferenceEngine(model, None, _config("fp32"))
+    engines.append(engine)
+    assert engine.runner.graphs is not None and engine.runner.graphs.capture, "graphs are the default on CUDA"
+    replays = []
+    run = engine.runner.graphs.run
+    engine.runner.graphs.run = lambda batch: replays.append(len(batch.seqs)) or run(batch)
+    assert _run(engine, prompts) == want
+    assert replays, "no decode step replayed a graph"
+
+
+def test_graphs_match_eager_bf16(make_model, engines):
+    prompts = _prompts()
+    outs = {}
+    for graphs in (False, None):
+        model = make_model("llama").cuda()
+        engine = InferenceEngine(model, None, _config("bf16", use_cuda_graph=graphs))
+        engines.append(engine)
+        assert (engine.runner.graphs is not None) == (graphs is None)
+        outs[graphs] = _run(engine, prompts)
+    assert outs[None] == outs[False]
+
+
+def test_fused_kernels_default_on_cuda(make_model, engines):
+    from cai.kernels import RMSNorm, SwiGLUMLP
+
+    engine = InferenceEngine(make_model("llama").cuda(), None, _config("bf16"))
+    engines.append(engine)
+    kinds = {type(m) for m in engine.model.modules()}
+    assert RMSNorm in kinds and SwiGLUMLP in kinds
+    off = InferenceEngine(make_model("llama").cuda(), None, _config("bf16", use_cuda_kernel=False))
+    engines.append(off)
+    assert RMSNorm not in {type(m) for m in off.model.modules()}
