@@ -1,5 +1,5 @@
-"""CUDA paths of the engine: captured decode graphs and cai-kernels' fused kernels (both on by default there), the
-Triton paged attention. Greedy tokens equal transformers' ``generate`` in fp32 under arrivals, chunked prefill,
+"""CUDA paths of the engine: captured decode graphs (on by default there), cai-kernels' fused kernels (on request),
+the Triton paged attention. Greedy tokens equal transformers' ``generate`` in fp32 under arrivals, chunked prefill,
 prefix sharing and preemption; in bf16 the graph replays give the same tokens as the eager engine. Skipped without
 CUDA."""
 
@@ -55,10 +55,12 @@ def test_graphs_match_generate_fp32(family, make_model, engines):
     prompts = _prompts()
     want = []
     for p in prompts:
-        ids = model.generate(
-            torch.tensor([p], device="cuda"), max_new_tokens=NEW, do_sample=False, pad_token_id=0
+        ids = torch.tensor([p], device="cuda")
+        # an explicit mask: from pad_token_id alone, generate would mask the prompt's own 0 tokens as padding
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, pad_token_id=0
         )
-        want.append(ids[0, len(p) :].tolist())
+        want.append(out[0, len(p) :].tolist())
     engine = InferenceEngine(model, None, _config("fp32"))
     engines.append(engine)
     assert engine.runner.graphs is not None and engine.runner.graphs.capture, "graphs are the default on CUDA"
@@ -81,13 +83,15 @@ def test_graphs_match_eager_bf16(make_model, engines):
     assert outs[None] == outs[False]
 
 
-def test_fused_kernels_default_on_cuda(make_model, engines):
+def test_fused_kernels_on_request(make_model, engines):
     from cai.kernels import RMSNorm, SwiGLUMLP
 
-    engine = InferenceEngine(make_model("llama").cuda(), None, _config("bf16"))
-    engines.append(engine)
-    kinds = {type(m) for m in engine.model.modules()}
+    prompts = _prompts()
+    plain = InferenceEngine(make_model("llama").cuda(), None, _config("fp32"))
+    engines.append(plain)
+    assert RMSNorm not in {type(m) for m in plain.model.modules()}, "fused kernels are off by default"
+    fused = InferenceEngine(make_model("llama").cuda(), None, _config("fp32", use_cuda_kernel=True))
+    engines.append(fused)
+    kinds = {type(m) for m in fused.model.modules()}
     assert RMSNorm in kinds and SwiGLUMLP in kinds
-    off = InferenceEngine(make_model("llama").cuda(), None, _config("bf16", use_cuda_kernel=False))
-    engines.append(off)
-    assert RMSNorm not in {type(m) for m in off.model.modules()}
+    assert _run(fused, prompts) == _run(plain, prompts)

@@ -45,7 +45,8 @@ class InferenceConfig:
             ``max_batch_size * ceil((max_input_len + max_output_len) / block_size)``, which never preempts; a
             smaller pool shares memory between requests and preempts (recompute) when it runs out.
         max_num_batched_tokens: token budget of one step (prefill chunks plus one token per decoding
-            sequence). ``None``: ``max(max_input_len, max_batch_size)``, so a prompt is prefilled in one step.
+            sequence). ``None``: ``max(max_input_len, max_batch_size, 2048)``, so a prompt is prefilled in one
+            step and prefill steps are large enough to keep the GPU busy.
         enable_prefix_caching: share the KV blocks of identical prompt prefixes between requests. Default True.
         do_sample, top_k, top_p, temperature, repetition_penalty, min_p: default sampling of requests that bring
             no generation config; ``do_sample=False`` is greedy.
@@ -54,8 +55,9 @@ class InferenceConfig:
             (cai's default): on when the model is on a CUDA device and ``tp_size == 1``; ``True`` where that does
             not hold is an error. The graphs are captured when the engine is built.
         use_cuda_kernel: run the model's RMSNorm, SwiGLU MLP and rotary embedding through cai-kernels' fused
-            Triton kernels (``cai.kernels.patch_hf_model``, which replaces those modules in place). ``None``
-            (cai's default): on when the model is on a CUDA device.
+            Triton kernels (``cai.kernels.patch_hf_model``, which replaces those modules in place). Default False,
+            as in Colossal-AI: at inference sizes their host time per launch costs more in eager steps than their
+            device time saves (see cai-infer's README); ``None`` is the same as False.
 
     ``prefill_ratio``, ``pad_input``, ``early_stopping``, ``high_precision``, ``micro_batch_size``,
     ``micro_batch_buffer_size`` and ``max_context_len_to_capture`` are accepted and have no effect: batches are
@@ -104,7 +106,7 @@ class InferenceConfig:
     pp_size: int = 1
     micro_batch_size: int = 1
     micro_batch_buffer_size: int | None = None
-    use_cuda_kernel: bool | None = None  # Colossal-AI: False; None is "where it runs" (see above)
+    use_cuda_kernel: bool | None = False
     high_precision: bool | None = False
     use_cuda_graph: bool | None = None  # Colossal-AI: False; None is "where it runs" (see above)
     max_context_len_to_capture: int = 512
@@ -183,10 +185,10 @@ class InferenceConfig:
 
     @property
     def token_budget(self) -> int:
-        """Tokens one step may run: ``max_num_batched_tokens`` or ``max(max_input_len, max_batch_size)``."""
+        """Tokens one step may run: ``max_num_batched_tokens`` or ``max(max_input_len, max_batch_size, 2048)``."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(self.max_input_len, self.max_batch_size)
+        return max(self.max_input_len, self.max_batch_size, 2048)
 
     def unsupported(self) -> list[str]:
         """``name=value`` for each field set to a feature this engine does not build (empty when all are built)."""

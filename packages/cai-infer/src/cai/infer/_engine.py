@@ -43,8 +43,7 @@ class InferenceEngine:
             one, requests pass token ids and outputs carry no text.
         inference_config: batching, cache and sampling defaults (``InferenceConfig()`` when None). The model is
             cast to its ``dtype`` and switched to the engine's attention (``attn_implementation="cai_paged"``);
-            on CUDA its norms, MLPs and rotary run cai-kernels' fused kernels and decode steps replay CUDA graphs
-            captured here (``use_cuda_kernel``, ``use_cuda_graph``).
+            on CUDA decode steps replay CUDA graphs captured here (``use_cuda_graph``).
         verbose: unused; kept for Colossal-AI's signature.
 
     Example::
@@ -107,7 +106,7 @@ class InferenceEngine:
         )
         self.runner = ModelRunner(model, self.cache)
         on_cuda = self.runner.device.type == "cuda"
-        if config.use_cuda_kernel or (config.use_cuda_kernel is None and on_cuda):
+        if config.use_cuda_kernel:
             from cai.kernels import patch_hf_model
 
             patch_hf_model(model, fused_loss=False)  # fused RMSNorm, SwiGLU and rotary; the same weights

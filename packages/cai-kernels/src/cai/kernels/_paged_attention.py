@@ -142,6 +142,7 @@ def _paged_attention_triton(
         GROUP=group, HEAD_DIM=hd, BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_M=block_m, ROWS=rows,
         BLOCK_N=64 if hd <= 128 else 32, PAGE=block_size, USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None, PIPELINE=query.device.type == "cuda",
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else None,
     )  # fmt: skip
     if splits == 1:
         return out

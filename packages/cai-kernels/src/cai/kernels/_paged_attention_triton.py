@@ -4,7 +4,7 @@ One program per (sequence, block of its new tokens, kv head). Its rows are the B
 query heads that share the kv head, so a decode step (one token) still fills a tile with the group's heads and
 every K/V tile is read once for all of them. Keys are walked in BLOCK_N tiles through the block table with an
 online softmax: both products take the cache's dtype as operands (bf16 on the tensor cores for a bf16 cache) and
-accumulate in fp32, as do the statistics. On the GPU the tile loop is software-pipelined.
+accumulate in fp32, as do the statistics (an fp32 cache multiplies in full fp32, not tf32). On the GPU the tile loop is software-pipelined.
 
 Split-K (``NUM_SPLITS > 1``, for few long decode sequences that would leave most SMs idle): the key range of a
 program is cut into NUM_SPLITS pieces run by separate programs, each writing its unnormalized output, row max and
@@ -28,7 +28,7 @@ _VARYING = [
 def _attend_tile(
     q, m_i, l_i, acc, start, last, s, kv_head, K, V, BlockTables, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_bt, row_ok, q_pos, d, d_ok, scaling, window, softcap, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of keys from ``start`` (of the keys below ``last``) into the online softmax."""
     n = start + tl.arange(0, BLOCK_N)
@@ -38,7 +38,9 @@ def _attend_tile(
     kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(K + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-    qk = tl.dot(q, tl.trans(k)) * scaling  # (ROWS, BLOCK_N), fp32 accumulation of the cache-dtype operands
+    qk = (
+        tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+    )  # (ROWS, BLOCK_N), fp32 accumulation of the cache-dtype operands
     if USE_SOFTCAP:
         qk = softcap * (2.0 * tl.sigmoid(2.0 * qk / softcap) - 1.0)  # softcap * tanh(qk / softcap)
     allowed = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
@@ -50,7 +52,7 @@ def _attend_tile(
     p = tl.exp(qk - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -61,7 +63,7 @@ def paged_attention_kernel(
     stride_ps, stride_ms, stride_mt, num_kv_heads, scaling, window, softcap, NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, PIPELINE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, PIPELINE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -101,7 +103,7 @@ def paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start, last, s, kv_head, K, V, BlockTables, stride_kt, stride_kh, stride_vt,
                 stride_vh, stride_bt, row_ok, q_pos, d, d_ok, scaling, window, softcap, BLOCK_N, PAGE, USE_WINDOW,
-                USE_SOFTCAP,
+                USE_SOFTCAP, PRECISION,
             )  # fmt: skip
     else:  # the interpreter: a range() over loaded bounds does not run there
         start = lo
@@ -109,7 +111,7 @@ def paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start, last, s, kv_head, K, V, BlockTables, stride_kt, stride_kh, stride_vt,
                 stride_vh, stride_bt, row_ok, q_pos, d, d_ok, scaling, window, softcap, BLOCK_N, PAGE, USE_WINDOW,
-                USE_SOFTCAP,
+                USE_SOFTCAP, PRECISION,
             )  # fmt: skip
             start += BLOCK_N
     o_mask = row_ok[:, None] & d_ok[None, :]
