@@ -26,7 +26,7 @@ from transformers import LlamaForCausalLM
 from cai.infer import InferenceConfig, InferenceEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _models import PRESETS, preset_config  # noqa: E402
+from _models import PRESETS, preset_config
 
 
 def sync(device: torch.device) -> None:
