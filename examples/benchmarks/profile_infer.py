@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--fused-kernels", action="store_true", help="InferenceConfig(use_cuda_kernel=True)")
-    p.add_argument("--profile", action="store_true", help="print kernel tables of one graph and one eager step")
+    p.add_argument(
+        "--profile", action="store_true", help="print kernel tables of one graph and one eager step"
+    )
     args = p.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.num_requests)
     ]
     engine.add_request(
-        prompts_token_ids=prompts, sampling_params=SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
+        prompts_token_ids=prompts,
+        sampling_params=SamplingParams(max_new_tokens=args.output_len, ignore_eos=True),
     )
     sync(device)
     start = time.perf_counter()
@@ -109,7 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for kind, ts in times.items():
         if ts:
-            print(f"  {kind:5s} steps: {len(ts):5d}, {1000 * sum(ts) / len(ts):8.2f} ms each, {sum(ts):7.2f} s in all")
+            print(
+                f"  {kind:5s} steps: {len(ts):5d}, {1000 * sum(ts) / len(ts):8.2f} ms each, {sum(ts):7.2f} s in all"
+            )
         result[kind] = {"steps": len(ts), "seconds": sum(ts)}
     return result
 
