@@ -210,16 +210,9 @@ class InferenceEngine:
         """Queue requests; returns their ids. A request that can never run (prompt over ``max_input_len``,
         ``max_new_tokens`` over ``max_output_len``, or more tokens than the whole KV pool) raises ValueError and
         nothing of this call is queued."""
-        token_lists = self._token_lists(prompts, prompts_token_ids)
-        if request_ids is None:
-            ids = [None] * len(token_lists)
-        elif isinstance(request_ids, (str, int)):
-            ids = [request_ids]
-        else:
-            ids = list(request_ids)
-        if len(ids) != len(token_lists):
-            raise ValueError(f"{len(ids)} request ids for {len(token_lists)} prompts; pass one id per prompt")
-        params = sampling_params or SamplingParams.from_config(self.config, generation_config)
+        ids, token_lists, params = self.resolve_requests(
+            request_ids, prompts, prompts_token_ids, generation_config, sampling_params
+        )
         seqs = [self._make_sequence(rid, toks, params) for rid, toks in zip(ids, token_lists, strict=True)]
         names = [s.request_id for s in seqs]
         if len(set(names)) != len(names):
@@ -228,6 +221,28 @@ class InferenceEngine:
             self._requests[seq.request_id] = seq
             self.scheduler.add(seq)
         return [s.request_id for s in seqs]
+
+    def resolve_requests(
+        self,
+        request_ids: str | int | list[str | int] | None,
+        prompts: str | list[str] | None,
+        prompts_token_ids: list[int] | list[list[int]] | torch.Tensor | None,
+        generation_config: Any = None,
+        sampling_params: SamplingParams | None = None,
+    ) -> tuple[list[Any], list[list[int]], SamplingParams]:
+        """``add_request``'s arguments as one id per prompt (None: the engine names it), the prompts' token ids
+        (text tokenized) and the sampling parameters; raises ValueError when ids and prompts do not pair up."""
+        token_lists = self._token_lists(prompts, prompts_token_ids)
+        if request_ids is None:
+            ids: list[Any] = [None] * len(token_lists)
+        elif isinstance(request_ids, (str, int)):
+            ids = [request_ids]
+        else:
+            ids = list(request_ids)
+        if len(ids) != len(token_lists):
+            raise ValueError(f"{len(ids)} request ids for {len(token_lists)} prompts; pass one id per prompt")
+        params = sampling_params or SamplingParams.from_config(self.config, generation_config)
+        return ids, token_lists, params
 
     def _token_lists(self, prompts: Any, prompts_token_ids: Any) -> list[list[int]]:
         if prompts_token_ids is not None:

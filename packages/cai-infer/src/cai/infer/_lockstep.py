@@ -130,16 +130,9 @@ class LockstepDriver:
         raises ValueError here, and nothing of the call is queued on any rank."""
         self._check_leader("add_request")
         engine = self.engine
-        token_lists = engine._token_lists(prompts, prompts_token_ids)
-        if request_ids is None:
-            ids: list[Any] = [None] * len(token_lists)
-        elif isinstance(request_ids, (str, int)):
-            ids = [request_ids]
-        else:
-            ids = list(request_ids)
-        if len(ids) != len(token_lists):
-            raise ValueError(f"{len(ids)} request ids for {len(token_lists)} prompts; pass one id per prompt")
-        params = sampling_params or SamplingParams.from_config(engine.config, generation_config)
+        ids, token_lists, params = engine.resolve_requests(
+            request_ids, prompts, prompts_token_ids, generation_config, sampling_params
+        )
         with self._lock:
             self._check_open()
             added: list[tuple] = []
