@@ -123,20 +123,29 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
-    """Bytes/s of a device-to-device copy (read plus write, counted as the bytes read), median of 5."""
-    n = nbytes // 4
-    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy (read plus write, counted as the bytes moved), median of 10. On CUDA:
+    1 GiB timed by CUDA events, as BENCHMARKS.md measures it (a smaller copy timed from the host reads ~10% low
+    and would flatter the weight-read fraction)."""
+    nbytes = 1 << 30 if device.type == "cuda" else 1 << 26
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = []
-    for _ in range(5):
-        sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return 2 * n * 4 / sorted(times)[2]  # read + write per element
+    for _ in range(10):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t)
+    del src, dst
+    return 2 * nbytes / sorted(times)[5]  # read + write per element
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -194,6 +203,11 @@ def cai_engine(
                 # Off unless measured: random prompts share nothing and the lookups would only cost.
                 enable_prefix_caching=prefix_caching,
                 ignore_eos=True,
+                **(
+                    {}
+                    if args.use_cuda_kernel == "default"
+                    else {"use_cuda_kernel": args.use_cuda_kernel == "on"}
+                ),
             ),
         )
     finally:
@@ -844,6 +858,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="cai's KV pool (default: never preempts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="cai's step token budget")
+    p.add_argument(
+        "--use-cuda-kernel", choices=("default", "on", "off"), default="default",
+        help="cai's InferenceConfig.use_cuda_kernel (default: the config's default)",
+    )  # fmt: skip
     p.add_argument("--peers", default=",".join(ALL_PEERS), help=f"comma list of {ALL_PEERS}, or 'none'")
     p.add_argument("--compile-backend", default="inductor", help="hf-compile: torch.compile's backend")
     p.add_argument(

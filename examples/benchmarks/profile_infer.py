@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--fused-kernels", action="store_true", help="InferenceConfig(use_cuda_kernel=True)")
+    p.add_argument(
+        "--use-cuda-kernel", choices=("default", "on", "off"), default="default",
+        help="InferenceConfig.use_cuda_kernel (default: the config's default)",
+    )  # fmt: skip
     p.add_argument(
         "--profile", action="store_true", help="print kernel tables of one graph and one eager step"
     )
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
             enable_prefix_caching=False,
             ignore_eos=True,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            use_cuda_kernel=args.fused_kernels,
+            use_cuda_kernel={"default": None, "on": True, "off": False}[args.use_cuda_kernel],
         ),
     )
     runner, graphs = engine.runner, engine.runner.graphs

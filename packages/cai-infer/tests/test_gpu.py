@@ -83,15 +83,15 @@ def test_graphs_match_eager_bf16(make_model, engines):
     assert outs[None] == outs[False]
 
 
-def test_fused_kernels_on_request(make_model, engines):
+def test_fused_kernels_by_default(make_model, engines):
     from cai.kernels import RMSNorm, SwiGLUMLP
 
     prompts = _prompts()
-    plain = InferenceEngine(make_model("llama").cuda(), None, _config("fp32"))
+    plain = InferenceEngine(make_model("llama").cuda(), None, _config("fp32", use_cuda_kernel=False))
     engines.append(plain)
-    assert RMSNorm not in {type(m) for m in plain.model.modules()}, "fused kernels are off by default"
-    fused = InferenceEngine(make_model("llama").cuda(), None, _config("fp32", use_cuda_kernel=True))
+    assert RMSNorm not in {type(m) for m in plain.model.modules()}, "use_cuda_kernel=False keeps HF's modules"
+    fused = InferenceEngine(make_model("llama").cuda(), None, _config("fp32"))
     engines.append(fused)
     kinds = {type(m) for m in fused.model.modules()}
-    assert RMSNorm in kinds and SwiGLUMLP in kinds
+    assert RMSNorm in kinds and SwiGLUMLP in kinds, "fused kernels are on by default on CUDA"
     assert _run(fused, prompts) == _run(plain, prompts)

@@ -69,3 +69,9 @@ def test_paged_attention_matches_dense(impl, heads, kv_heads, head_dim, window, 
     if impl == "triton":  # split-K: each program's keys over 3 programs, combined by log-sum-exp weights
         got = paged_attention(query, k_cache, v_cache, num_splits=3, **kwargs)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the layout transformers hands over: (1, heads, T, hd) transposed to (T, heads, hd)
+        query_t = query.transpose(0, 1).contiguous().transpose(0, 1)
+        for splits in (1, 2):
+            got = paged_attention(query_t, k_cache, v_cache, num_splits=splits, **kwargs)
+            assert got.stride() == query_t.stride()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -19,6 +19,12 @@ from ._scheduler import Scheduler, Sequence, SequenceStatus
 from ._speculative import ModelDrafter, PromptLookupDrafter, verify
 
 
+def _triton_runs(device: torch.device) -> bool:
+    from cai.kernels import use_triton
+
+    return use_triton(torch.empty(0, device=device))
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """A request's state after a step: its output tokens so far, their text and whether it is done."""
@@ -106,7 +112,8 @@ class InferenceEngine:
         )
         self.runner = ModelRunner(model, self.cache)
         on_cuda = self.runner.device.type == "cuda"
-        if config.use_cuda_kernel:
+        default_kernels = on_cuda and config.tp_size == 1 and _triton_runs(self.runner.device)
+        if config.use_cuda_kernel or (config.use_cuda_kernel is None and default_kernels):
             from cai.kernels import patch_hf_model
 
             patch_hf_model(model, fused_loss=False)  # fused RMSNorm, SwiGLU and rotary; the same weights

@@ -7,7 +7,7 @@ Every kernel function picks the Triton kernel for CUDA tensors and a pure-torch 
 
 from importlib.metadata import version as _version
 
-from cai.kernels._dispatch import kernel_report
+from cai.kernels._dispatch import kernel_report, use_triton
 from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, patch_hf_model
 from cai.kernels._moe import grouped_linear, permute_tokens, unpermute_tokens
@@ -36,4 +36,5 @@ __all__ = [
     "rms_norm",
     "swiglu",
     "unpermute_tokens",
+    "use_triton",
 ]

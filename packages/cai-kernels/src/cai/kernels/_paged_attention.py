@@ -97,21 +97,31 @@ def _paged_attention_torch(
 
 
 def _auto_splits(query: torch.Tensor, programs: int, max_q: int, max_ctx: int) -> int:
-    # Split-K only pays for decode batches that leave SMs idle and have long contexts (>= 2 key tiles a split).
+    # Split-K only pays for decode batches that leave SMs idle (two programs an SM hide each other's load
+    # latency) and have long contexts (>= 128 keys a split).
     if max_q != 1 or query.device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    want = max(1, min(sms // max(programs, 1), max_ctx // 128, 16))
+    want = max(1, min(2 * sms // max(programs, 1), max_ctx // 128, 16))
     return 1 << (want.bit_length() - 1)  # a power of two: each split count is its own compiled kernel
+
+
+def _key_tile(head_dim: int, max_q: int, max_ctx: int, splits: int) -> int:
+    # Measured on an H200 (examples/benchmarks/bench_paged_attention.py --sweep, 8B decode shapes): 64 keys a
+    # tile, except 128 where a decode program walks 256 keys or more of a split.
+    if head_dim > 128:
+        return 32
+    return 128 if max_q == 1 and splits > 1 and max_ctx // splits >= 256 else 64
 
 
 def _paged_attention_triton(
     query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_q, max_ctx, scaling, window,
-    softcap, num_splits,
+    softcap, num_splits, *, block_n=None, num_warps=None, stages=3,
 ):  # fmt: skip
+    # block_n, num_warps, stages: launch parameters, for benchmarks that sweep them (None: the static choice)
     import triton
 
-    from cai.kernels._paged_attention_triton import paged_attention_kernel
+    from cai.kernels._paged_attention_triton import combine_splits_kernel, paged_attention_kernel
 
     T, nh, hd = query.shape
     S = num_computed.shape[0]
@@ -125,29 +135,27 @@ def _paged_attention_triton(
     rows = max(16, triton.next_power_of_2(block_m * group))
     m_blocks = triton.cdiv(max_q, block_m)
     splits = num_splits or _auto_splits(query, S * m_blocks * nkv, max_q, max_ctx)
-    if splits > 1:
-        out = torch.empty(splits, T, nh, hd, dtype=torch.float32, device=query.device)
-        part_m = torch.empty(splits, T, nh, dtype=torch.float32, device=query.device)
+    out = torch.empty_like(query)
+    if splits > 1:  # the kernel writes (T, nh, splits, ...) partials; the combine writes `out`
+        dest = torch.empty(T, nh, splits, hd, dtype=torch.float32, device=query.device)
+        part_m = torch.empty(T, nh, splits, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
-        o_strides = (out.stride(1), out.stride(2), out.stride(0))
     else:
-        out = torch.empty_like(query)
-        part_m = part_l = out  # unused
-        o_strides = (out.stride(0), out.stride(1), 0)
+        dest, part_m, part_l = out, out, out  # the partial buffers are unused
+    block_d = max(16, triton.next_power_of_2(hd))
+    extra = {} if num_warps is None else {"num_warps": num_warps}
     paged_attention_kernel[(S, m_blocks, nkv * splits)](
-        query, k_cache, v_cache, out, block_tables, query_start, num_computed, part_m, part_l,
+        query, k_cache, v_cache, dest, block_tables, query_start, num_computed, part_m, part_l,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        o_strides[0], o_strides[1], block_tables.stride(0),
-        o_strides[2], part_m.stride(0), part_m.stride(1), nkv, scaling, window or 0, softcap or 1.0, NUM_SPLITS=splits,
-        GROUP=group, HEAD_DIM=hd, BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_M=block_m, ROWS=rows,
-        BLOCK_N=64 if hd <= 128 else 32, PAGE=block_size, USE_WINDOW=window is not None,
-        USE_SOFTCAP=softcap is not None, PIPELINE=query.device.type == "cuda",
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else None,
+        out.stride(0), out.stride(1), block_tables.stride(0), nkv, scaling, window or 0, softcap or 1.0,
+        NUM_SPLITS=splits, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m, ROWS=rows,
+        BLOCK_N=block_n or _key_tile(hd, max_q, max_ctx, splits), PAGE=block_size, USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None, PIPELINE=query.device.type == "cuda", STAGES=stages,
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else None, **extra,
     )  # fmt: skip
-    if splits == 1:
-        return out
-    # combine the splits: weights exp(m_split - m_max); a split that saw no key has m = -inf and weight 0
-    m_max = part_m.max(0).values  # (T, nh)
-    w = torch.exp(part_m - torch.where(m_max == float("-inf"), 0.0, m_max))  # (splits, T, nh)
-    denom = (w * part_l).sum(0).clamp_min(torch.finfo(torch.float32).tiny)
-    return ((w[..., None] * out).sum(0) / denom[..., None]).to(query.dtype)
+    if splits > 1:
+        combine_splits_kernel[(T, nh)](
+            dest, part_m, part_l, out, out.stride(0), out.stride(1), nh, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=hd, BLOCK_D=block_d, num_warps=1,
+        )  # fmt: skip
+    return out

@@ -8,20 +8,20 @@ accumulate in fp32, as do the statistics (an fp32 cache multiplies in full fp32,
 
 Split-K (``NUM_SPLITS > 1``, for few long decode sequences that would leave most SMs idle): the key range of a
 program is cut into NUM_SPLITS pieces run by separate programs, each writing its unnormalized output, row max and
-row sum; the caller combines them (log-sum-exp weights).
+row sum into (tokens, heads, splits, ...) buffers; ``combine_splits_kernel`` merges them (log-sum-exp weights) in
+one launch.
 
-Only the head dim, the group, the tile shapes, the split count and the switches are compile-time constants; the
-strides and the block-table width change from step to step (they are not specialized on, so a serving engine
-compiles a handful of variants once instead of one per batch shape).
+Specialization: the strides of the query, the cache and the outputs are specialized on (Triton compiles a variant
+per "is 1 / divisible by 16" pattern of each, which is what lets it vectorize the K/V loads into 16-byte
+accesses), and they are fixed for a model (the query's head stride is tokens x head_dim, divisible by 16 for
+every head_dim of 16 or more). The block-table width and the window are not: the width changes from step to step,
+and a serving engine would otherwise compile a new variant every few steps.
 """
 
 import triton
 import triton.language as tl
 
-_VARYING = [
-    "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh",
-    "stride_bt", "stride_ps", "stride_ms", "stride_mt", "num_kv_heads", "window",
-]  # fmt: skip
+_VARYING = ["stride_bt", "window"]
 
 
 @triton.jit
@@ -60,10 +60,10 @@ def _attend_tile(
 def paged_attention_kernel(
     Q, K, V, Out, BlockTables, QueryStart, NumComputed, PartM, PartL,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    stride_ps, stride_ms, stride_mt, num_kv_heads, scaling, window, softcap, NUM_SPLITS: tl.constexpr,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, PIPELINE: tl.constexpr, PRECISION: tl.constexpr,
+    num_kv_heads, scaling, window, softcap, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -99,7 +99,7 @@ def paged_attention_kernel(
         lo = lo + split * chunk
         last = tl.minimum(last, lo + chunk)
     if PIPELINE:  # a for loop, software-pipelined: the next tile's loads overlap this tile's math
-        for start in tl.range(lo, last, BLOCK_N, num_stages=2):
+        for start in tl.range(lo, last, BLOCK_N, num_stages=STAGES):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start, last, s, kv_head, K, V, BlockTables, stride_kt, stride_kh, stride_vt,
                 stride_vh, stride_bt, row_ok, q_pos, d, d_ok, scaling, window, softcap, BLOCK_N, PAGE, USE_WINDOW,
@@ -116,16 +116,41 @@ def paged_attention_kernel(
             start += BLOCK_N
     o_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS > 1:
-        # Out is (splits, T, heads, head_dim) fp32 here: the unnormalized output; row max and sum go beside it
-        t_idx = (q_start + tok).to(tl.int64)
-        o_ptr = Out + split * stride_ps + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr, acc, mask=o_mask)
-        part = split.to(tl.int64) * stride_ms + t_idx * stride_mt + head  # PartM/PartL are (splits, T, heads)
-        tl.store(PartM + part, m_i, mask=row_ok)
-        tl.store(PartL + part, l_i, mask=row_ok)
+        # Out is (T, heads, splits, head_dim) fp32 here: the unnormalized output; PartM/PartL (T, heads, splits)
+        # hold the row max and sum
+        row = ((q_start + tok).to(tl.int64) * (num_kv_heads * GROUP) + head) * NUM_SPLITS + split
+        tl.store(Out + row[:, None] * HEAD_DIM + d[None, :], acc, mask=o_mask)
+        tl.store(PartM + row, m_i, mask=row_ok)
+        tl.store(PartL + row, l_i, mask=row_ok)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptr = (
             Out + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         )
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def combine_splits_kernel(
+    Part, PartM, PartL, Out, stride_ot, stride_oh, num_heads, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One (token, head) row: the splits' outputs weighted by exp(m_split - m_max), over the weighted sums. A
+    split that saw no key has m = -inf and weight 0."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    row = (t.to(tl.int64) * num_heads + h) * NUM_SPLITS
+    m = tl.load(PartM + row + sp, mask=sp_ok, other=float("-inf"))
+    row_sum = tl.load(PartL + row + sp, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    part = tl.load(
+        Part + (row + sp)[:, None] * HEAD_DIM + d[None, :], mask=sp_ok[:, None] & d_ok[None, :], other=0.0
+    )
+    denom = tl.maximum(tl.sum(w * row_sum, 0), 1.1754943508222875e-38)  # the smallest normal fp32
+    out = tl.sum(w[:, None] * part, 0) / denom
+    tl.store(Out + t.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
