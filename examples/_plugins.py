@@ -233,9 +233,5 @@ def make_booster(choice: PluginChoice):
         shard_param_frac=choice.shard_param_frac,
         offload_optim_frac=choice.offload_optim_frac,
         offload_param_frac=choice.offload_param_frac,
-        # host optimizer chunks update during backward whenever nothing needs the whole gradient first
-        overlap_host_step=choice.offload_optim_frac > 0
-        and choice.max_norm == 0
-        and choice.precision != "fp16",
-    )
+    )  # host optimizer chunks update during backward by default wherever that is exact
     return Booster(plugin=plugin)

@@ -148,3 +148,10 @@ def test_gemini_overlap_host_step_reaches_the_config_and_is_checked() -> None:
     assert plugin.config.overlap_host_step and plugin.config.offload_optim_frac == 1.0
     with raises("overlap_host_step=True"):
         GeminiPlugin(precision="fp16", offload_optim_frac=1.0, overlap_host_step=True)
+    # the default: overlapped wherever exact; Colossal-AI's accumulation switch turns it off
+    assert GeminiPlugin(precision="bf16", offload_optim_frac=1.0).config.overlaps_host_step
+    assert not GeminiPlugin(offload_optim_frac=1.0).config.overlaps_host_step  # Colossal-AI's fp16 default
+    accumulating = GeminiPlugin(precision="bf16", offload_optim_frac=1.0, enable_gradient_accumulation=True)
+    assert not accumulating.config.overlaps_host_step
+    with raises("enable_gradient_accumulation=True conflicts with overlap_host_step=True"):
+        GeminiPlugin(precision="bf16", overlap_host_step=True, enable_gradient_accumulation=True)

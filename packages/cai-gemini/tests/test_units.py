@@ -250,3 +250,38 @@ def test_fp16_loss_scale_is_saved_and_resumed() -> None:
     gopt2.load_state_dict(saved)
     assert gm2.loss_scale == 2.0**8 and gopt2.skipped_steps == 2
     assert gopt2.scaler.state_dict() == gopt.scaler.state_dict()
+
+
+def test_overlapped_host_step_is_the_default_where_exact() -> None:
+    assert GeminiConfig().overlaps_host_step
+    assert not GeminiConfig(max_norm=1.0).overlaps_host_step
+    assert not GeminiConfig(precision="fp16").overlaps_host_step
+    assert not GeminiConfig(overlap_host_step=False).overlaps_host_step
+
+
+def test_overlapped_host_step_refuses_a_second_backward_and_the_norm() -> None:
+    """By default host chunks are updated during backward: a second synchronised backward before step() and
+    reading or clipping the norm afterwards would be silently wrong, so each raises naming the fixes."""
+    model = TinyTransformer()
+    cfg = GeminiConfig(precision="fp32", offload_optim_frac=1.0, chunk=ChunkConfig(min_chunk_size_m=0.001))
+    gm, gopt = shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg, device="cpu")
+    ids, labels = make_batch()
+    gopt.backward(gm.module.loss(gm(ids), labels))
+    with pytest.raises(RuntimeError, match=r"second synchronised backward.*no_sync.*overlap_host_step=False"):
+        gopt.backward(gm.module.loss(gm(ids), labels))
+    with pytest.raises(ValueError, match=r"clip_grad_norm_.*pass max_norm"):
+        gopt.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match=r"grad_norm.*overlap_host_step=None"):
+        gopt.grad_norm()
+    gopt.step()
+    gopt.zero_grad()
+    with gm.no_sync():  # accumulation the overlapped step allows
+        gopt.backward(gm.module.loss(gm(ids), labels))
+    gopt.backward(gm.module.loss(gm(ids), labels))
+    gopt.step()
+
+
+def test_overlapped_host_step_needs_the_static_policy() -> None:
+    assert not GeminiConfig(placement_policy="auto").overlaps_host_step
+    with pytest.raises(ValueError, match="overlap_host_step=True needs placement_policy='static'"):
+        GeminiConfig(placement_policy="auto", overlap_host_step=True)

@@ -85,7 +85,10 @@ class GeminiConfig:
         cast_inputs: cast floating-point forward inputs to the working precision.
         overlap_host_step: update each host-resident chunk on a worker thread as soon as its gradient is reduced,
             overlapping the CPU Adam with the rest of backward. Needs exactly one synchronised backward per
-            optimizer step (accumulate inside ``no_sync()``), no clipping and no fp16.
+            optimizer step (accumulate inside ``no_sync()``), no clipping and no fp16. ``None`` (the default): on
+            wherever it is exact and the placement is fixed, that is ``max_norm == 0``, precision other than fp16
+            and the static policy (see ``overlaps_host_step``); a second synchronised backward before ``step()``
+            then raises, naming ``no_sync()`` and ``overlap_host_step=False``.
     """
 
     placement_policy: Literal["static", "auto"] = "static"
@@ -102,7 +105,7 @@ class GeminiConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     pin_memory: bool | None = None
     cast_inputs: bool = True
-    overlap_host_step: bool = False
+    overlap_host_step: bool | None = None
 
     def __post_init__(self) -> None:
         if self.placement_policy not in _POLICIES:
@@ -139,8 +142,23 @@ class GeminiConfig:
                 f"are known; it needs max_norm=0.0 (got {self.max_norm}) and precision other than fp16 "
                 f"(got {self.precision!r})"
             )
+        if self.overlap_host_step and self.placement_policy == "auto":
+            raise ValueError(
+                "GeminiConfig: overlap_host_step=True needs placement_policy='static'; the auto policy moves "
+                "optimizer chunks while the overlapped updates run on a worker thread (leave overlap_host_step=None "
+                "or use the static policy with offload_optim_frac)"
+            )
         if self.norm_type not in (2.0, float("inf")):
             raise ValueError(f"GeminiConfig: norm_type={self.norm_type}; use 2.0 or float('inf')")
+
+    @property
+    def overlaps_host_step(self) -> bool:
+        """Whether host-resident chunks are updated during backward: ``overlap_host_step``, or where it is None
+        whenever that is exact (no clipping, no fp16 loss scale) under the static policy (the auto policy moves
+        optimizer chunks between steps, which the worker's updates would race with)."""
+        if self.overlap_host_step is None:
+            return self.max_norm == 0 and self.precision != "fp16" and self.placement_policy == "static"
+        return self.overlap_host_step
 
     @property
     def working_dtype(self) -> torch.dtype:

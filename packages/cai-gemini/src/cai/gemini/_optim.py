@@ -114,7 +114,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
         self._stepper: HostStepper | None = None  # created at the first overlapped host step
         self._early: dict[int, Future] = {}
         model.attach_optimizer(
-            scaler=self.scaler, on_reduced=self._on_reduced if model.config.overlap_host_step else None
+            scaler=self.scaler, on_reduced=self._on_reduced if model.config.overlaps_host_step else None
         )
         self._chunk_state: dict[int, dict[str, torch.Tensor]] = {}
         self._warm = False
@@ -127,7 +127,17 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
     # ---- the training-loop surface ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
+        if self._early:
+            raise RuntimeError(self._second_backward())
         self.model.backward(loss)
+
+    def _second_backward(self) -> str:
+        return (
+            "GeminiOptimizer: a second synchronised backward before step(), but host chunks were already updated "
+            "from the first (the overlapped host step, on by default without clipping or fp16); accumulate "
+            "micro-batches inside no_sync() (booster.no_sync(model, optimizer)), or set overlap_host_step=False "
+            "(GeminiPlugin(enable_gradient_accumulation=True) does)"
+        )
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         scale = self.model.loss_scale
@@ -192,15 +202,24 @@ class GeminiOptimizer(torch.optim.Optimizer):
 
         The gradients are taken as they are: with fp16 they carry the loss scale until ``step()`` unscales them.
         """
-        if self.model.config.overlap_host_step:
-            raise ValueError(
-                "GeminiOptimizer.grad_norm: with overlap_host_step=True the host chunks' gradients are consumed "
-                "during backward, so no global norm exists after it; set overlap_host_step=False to read the norm"
-            )
+        self._check_norm_readable("grad_norm")
         return self._grad_norm(self._grads(), float(norm_type))
+
+    def _check_norm_readable(self, name: str) -> None:
+        if self.model.config.overlaps_host_step and self._trainable_on_host():
+            raise ValueError(
+                f"GeminiOptimizer.{name}: with the overlapped host step (overlap_host_step="
+                f"{self.model.config.overlap_host_step}; None turns it on without clipping or fp16) the host "
+                "chunks' gradients are consumed during backward, so no global norm exists after it; pass max_norm "
+                "to the config (or plugin) to clip inside step(), or set overlap_host_step=False"
+            )
+
+    def _trainable_on_host(self) -> bool:
+        return any(c.io is not None for c in self._trainable())
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale the accumulated gradients so their global norm is at most ``max_norm``; returns the norm."""
+        self._check_norm_readable("clip_grad_norm_")
         grads = self._grads()
         norm = self._grad_norm(grads, float(norm_type))
         coef = min(1.0, max_norm / (norm + 1e-6))
@@ -284,8 +303,10 @@ class GeminiOptimizer(torch.optim.Optimizer):
         # cai-kernels). The chunks reduced last in backward are the first the next forward needs, so the copies
         # of all the others are hidden behind the remaining host updates. ``step`` joins the worker and makes the
         # compute stream wait for the copies.
-        if c.io is None or c.master is None or c.index in self._early:
+        if c.io is None or c.master is None:
             return
+        if c.index in self._early:  # backward ran again without no_sync() after this chunk was updated
+            raise RuntimeError(self._second_backward())
         if self._stepper is None:
             self._stepper = HostStepper(self.model.device, name="gemini-host-adam")
         self._state(c)  # allocate on the main thread

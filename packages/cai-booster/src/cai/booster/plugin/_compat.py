@@ -6,7 +6,8 @@ take Colossal-AI's names so that its users' scripts run unchanged; inside, each 
 
 - ``mapped``: the name sets a config field (a dotted path), converted to the field's units where they differ;
 - ``ignored``: accepted and ignored, with the reason (cai always behaves that way, or the knob has no meaning);
-- ``rejected``: the feature is not implemented; any value but the accepted one raises with what to use instead.
+- ``rejected``: the feature is not implemented; any value but the accepted one raises with what to use instead;
+- ``plugin``: the plugin itself reads the name (it acts on the model or adjusts the config), with what it does.
 
 [Note: config= and keyword arguments]
 Without ``config=`` the config is built from Colossal-AI's defaults (``defaults``: where they differ from the
@@ -70,9 +71,12 @@ class PluginArgs:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     ignored: Mapping[str, str] = field(default_factory=dict)
     rejected: tuple[Rejected, ...] = ()
+    plugin: Mapping[str, str] = field(default_factory=dict)
 
     def names(self) -> list[str]:
-        return sorted({*self.mapped, *self.ignored, *(n for r in self.rejected for n in r.names)})
+        return sorted(
+            {*self.mapped, *self.ignored, *self.plugin, *(n for r in self.rejected for n in r.names)}
+        )
 
 
 # ---- LowLevelZeroPlugin ---------------------------------------------------------------------------------------
@@ -153,7 +157,7 @@ def _chunk_dict_check(value: Any) -> str | None:
     return f"has keys {extra} that are not supported; only 'chunk_size'" if extra else None
 
 
-_KERNEL_FIX = "leave it False; patch kernels with cai.kernels.patch_hf_model(model) before boost()"
+_KERNELS = "True applies cai-kernels to the model at boost() (cai.kernels.patch_hf_model)"
 
 GEMINI_ARGS = PluginArgs(
     owner="GeminiPlugin",
@@ -181,7 +185,6 @@ GEMINI_ARGS = PluginArgs(
     },
     defaults={"precision": "fp16"},
     ignored={
-        "enable_gradient_accumulation": "accumulation always works (no_sync() or plain repeated backward)",
         "chunk_init_device": "chunks are built on the boost() device",
         "strict_ddp_mode": "every parameter is in a chunk sharded over the whole world",
         "enable_async_reduce": "reductions already overlap backward where the device allows",
@@ -196,14 +199,20 @@ GEMINI_ARGS = PluginArgs(
         Rejected(("force_outputs_fp32",), False, "leave it False and cast the outputs in the loss"),
         Rejected(("use_fp8",), False, "leave it False (fp8 compute is not implemented)"),
         Rejected(("fp8_communication",), False, "leave it False (fp8 communication is not implemented)"),
-        Rejected(("enable_all_optimization",), False, _KERNEL_FIX),
-        Rejected(("enable_fused_normalization",), False, _KERNEL_FIX),
-        Rejected(("enable_flash_attention",), False, _KERNEL_FIX),
         Rejected(
             ("enable_sequence_parallelism",), False, "leave it False (sequence parallelism needs tp_size > 1)"
         ),
-        Rejected(("enable_jit_fused",), False, _KERNEL_FIX),
     ),
+    plugin={
+        "enable_all_optimization": _KERNELS,
+        "enable_fused_normalization": _KERNELS,
+        "enable_jit_fused": _KERNELS,
+        "enable_flash_attention": _KERNELS + ", and a model on eager attention switches to torch SDPA",
+        "enable_gradient_accumulation": (
+            "True turns the overlapped host step off unless it is asked for (then plain repeated backward "
+            "accumulates too); without it, accumulate inside no_sync()"
+        ),
+    },
 )
 
 

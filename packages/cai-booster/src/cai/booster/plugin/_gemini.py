@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -40,17 +41,22 @@ class GeminiPlugin(DPPluginBase):
     ``max_prefetch=0``, the loss scaler (``initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
     growth_interval=1000, hysteresis=2, max_scale=2**32``), ``max_norm=0.0``, ``norm_type=2.0``.
     ``enable_gradient_accumulation``, ``chunk_init_device``, ``strict_ddp_mode``, ``enable_async_reduce`` and
-    ``verbose`` are ignored (accumulation always works). Tensor parallelism (``tp_size > 1``, the ``enable_*``
-    kernel flags), ``extra_dp_size > 1``, ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False``,
-    ``force_outputs_fp32`` and fp8 raise with what to use instead. The tables are in
-    ``cai/booster/plugin/_compat.py``; a keyword that disagrees with ``config=`` raises.
+    ``verbose`` are ignored. ``enable_all_optimization``, ``enable_fused_normalization``, ``enable_jit_fused``
+    and ``enable_flash_attention`` apply cai-kernels' fused norms, SwiGLU, rotary and loss to the model at
+    ``boost()`` (``cai.kernels.patch_hf_model``). Tensor parallelism (``tp_size > 1``), ``extra_dp_size > 1``,
+    ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False``, ``force_outputs_fp32`` and fp8 raise with
+    what to use instead. The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with
+    ``config=`` raises.
 
-    cai's own: ``overlap_host_step=False``: with optimizer chunks on the host, update each one on a worker thread as
-    soon as backward has reduced its gradient (needs ``max_norm=0`` and no fp16; see ``GeminiConfig``).
+    cai's own: ``overlap_host_step=None``: with optimizer chunks on the host, update each one on a worker thread as
+    soon as backward has reduced its gradient; None (the default) turns it on wherever it is exact (``max_norm=0``
+    and no fp16; see ``GeminiConfig``). It then needs one synchronised backward per step: accumulate inside
+    ``booster.no_sync(model, optimizer)``, or pass ``enable_gradient_accumulation=True`` (Colossal-AI's switch for
+    accumulation), which turns it off.
 
     Example::
 
-        booster = Booster(plugin=GeminiPlugin(config=GeminiConfig(offload_optim_frac=1.0, overlap_host_step=True)))
+        booster = Booster(plugin=GeminiPlugin(precision="bf16", offload_optim_frac=1.0))  # host step overlapped
     """
 
     LORA = False
@@ -59,7 +65,20 @@ class GeminiPlugin(DPPluginBase):
     def __init__(self, *, config: GeminiConfig | None = None, **kwargs: Any) -> None:
         from cai.gemini import GeminiConfig
 
-        self.config: GeminiConfig = config_from_kwargs(GEMINI_ARGS, GeminiConfig, config, kwargs)
+        own = {name: kwargs.pop(name) for name in list(kwargs) if name in GEMINI_ARGS.plugin}
+        cfg: GeminiConfig = config_from_kwargs(GEMINI_ARGS, GeminiConfig, config, kwargs)
+        if own.pop("enable_gradient_accumulation", False):
+            if cfg.overlap_host_step:
+                raise ValueError(
+                    "GeminiPlugin: enable_gradient_accumulation=True conflicts with overlap_host_step=True (the "
+                    "overlapped host step updates host chunks during the first synchronised backward); drop one, "
+                    "or keep overlap_host_step=True and accumulate inside booster.no_sync(model, optimizer)"
+                )
+            cfg = dataclasses.replace(cfg, overlap_host_step=False)
+        self.config = cfg
+        self.flash_attention = bool(own.get("enable_flash_attention", False))
+        # any of Colossal-AI's kernel switches applies cai-kernels at boost()
+        self.patch_kernels = any(own.values())
 
     @property
     def capabilities(self) -> Capabilities:
@@ -80,6 +99,8 @@ class GeminiPlugin(DPPluginBase):
     ) -> Boosted:
         from cai.gemini import shard
 
+        if self.patch_kernels:
+            apply_kernels(model, flash_attention=self.flash_attention)
         names = param_names(model)
         # A lazy model is materialised whole on each rank before chunking (cai-gemini builds chunks from real
         # parameters); pretrained weights are read then.
@@ -109,6 +130,18 @@ class GeminiPlugin(DPPluginBase):
     def prepare_optimizer_load(self, optimizer: OptimizerWrapper) -> None:
         # The loader checks keys before loading; cai-gemini creates a chunk's Adam state at its first step.
         optimizer.unwrap().ensure_state()
+
+
+def apply_kernels(model: nn.Module, *, flash_attention: bool) -> None:
+    """Colossal-AI's ``enable_*`` kernel switches, done with cai-kernels: fused RMSNorm, SwiGLU, rotary and the
+    fused linear cross-entropy (``patch_hf_model``, in place, the same Parameters); with ``flash_attention`` a
+    Hugging Face model on eager attention moves to torch SDPA (flash kernels where they apply)."""
+    from cai.kernels import patch_hf_model
+
+    config = getattr(model, "config", None)
+    if flash_attention and getattr(config, "_attn_implementation", None) == "eager":
+        model.set_attn_implementation("sdpa")
+    patch_hf_model(model)
 
 
 class GeminiModelWrapper(ModelWrapper):

@@ -1,0 +1,59 @@
+"""GeminiPlugin's Colossal-AI kernel switches apply cai-kernels at boost(): the model's norms and MLPs become the
+fused modules (same Parameters) and it trains to the same losses as the unpatched model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cai.booster import Booster
+from cai.booster.plugin import GeminiPlugin
+from cai.mesh.testing import assert_close, run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama():
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _train(model, plugin: GeminiPlugin, steps: int = 3) -> tuple[list[float], set[str], str]:
+    booster = Booster(plugin=plugin, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt, *_ = booster.boost(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (2, 16), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    module = model.unwrap()
+    kinds = {type(m).__name__ for m in module.modules()}
+    return losses, kinds, module.config._attn_implementation
+
+
+def _compare() -> None:
+    base = _llama()
+    plain = _train(copy.deepcopy(base), GeminiPlugin(precision="fp32"))
+    fused = _train(copy.deepcopy(base), GeminiPlugin(precision="fp32", enable_fused_normalization=True))
+    flash = _train(copy.deepcopy(base), GeminiPlugin(precision="fp32", enable_all_optimization=True,
+                                                     enable_flash_attention=True))  # fmt: skip
+    assert "LlamaRMSNorm" in plain[1] and "RMSNorm" not in plain[1] and plain[2] == "eager"
+    for losses, kinds, _ in (fused, flash):
+        assert {"RMSNorm", "SwiGLUMLP", "FusedLMHead"} <= kinds and "LlamaRMSNorm" not in kinds
+        assert_close(torch.tensor(losses), torch.tensor(plain[0]), rtol=1e-5, atol=1e-6, name="losses")
+    assert fused[2] == "eager" and flash[2] == "sdpa"
+
+
+def test_kernel_switches_patch_the_model_and_train_the_same() -> None:
+    run_distributed(_compare, 1)
