@@ -49,12 +49,12 @@ class ModelShape:
     def megatron_flops(self, tokens: int, seq_len: int, grad_ckpt: bool) -> float:
         """Colossal-AI's Megatron-style count for ``tokens`` tokens, recomputation included."""
         h, L, V = self.hidden_size, self.num_layers, self.vocab_size
-        factor = 3 + int(grad_ckpt)
+        factor = 3 + bool(grad_ckpt)
         return 24 * factor * tokens * L * h * h * (1.0 + seq_len / (6.0 * h) + V / (16.0 * L * h))
 
     def simple_flops(self, tokens: int, grad_ckpt: bool) -> float:
         """Colossal-AI's ``2 (3 + ckpt) N`` FLOPs per token, for ``tokens`` tokens."""
-        return 2 * (3 + int(grad_ckpt)) * self.num_params * tokens
+        return 2 * (3 + bool(grad_ckpt)) * self.num_params * tokens
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -74,7 +74,7 @@ class Throughput:
         tokens: int,
         seconds: float,
         seq_len: int,
-        grad_ckpt: bool = False,
+        grad_ckpt: bool | str = False,
         peak_flops: float = PEAK_FLOPS,
     ) -> Throughput:
         rate = tokens / max(seconds, 1e-12)

@@ -27,14 +27,18 @@ class Workload:
     close: Callable[[], None]
 
 
-def build_model(config, device: torch.device, *, grad_ckpt: bool) -> LlamaForCausalLM:
-    """Random-weight fp32 model built directly on ``device`` (no host copy of an 8B model)."""
+def build_model(config, device: torch.device, *, grad_ckpt: bool | str) -> LlamaForCausalLM:
+    """Random-weight fp32 model built directly on ``device`` (no host copy of an 8B model). ``grad_ckpt``: False,
+    True or "full" (every block recomputed), or "selective" (matmul and attention outputs kept), the same for cai
+    and the peers."""
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model.config.use_cache = False
     if grad_ckpt:
+        from cai.booster import activation_checkpointing
+
         # Non-reentrant checkpointing works under FSDP2 and torch.compile as well as eager.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        activation_checkpointing(model, "selective" if grad_ckpt == "selective" else "full")
     return model
 
 

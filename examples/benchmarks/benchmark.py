@@ -81,8 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "-g",
         "--grad-checkpoint",
         "--grad_checkpoint",
-        action="store_true",
-        help="activation checkpointing (all runs)",
+        nargs="?",
+        const="full",
+        default=False,
+        choices=("full", "selective"),
+        help="activation checkpointing for every run: -g / -g full recomputes every block, -g selective keeps the "
+        "matmul and attention outputs and recomputes the elementwise ops",
     )
     p.add_argument(
         "--precision",
@@ -357,7 +361,7 @@ def main(args: argparse.Namespace) -> None:
         print(
             f"\n### Llama {args.config}: {shape.num_params / 1e9:.3g}B params (h{config.hidden_size} "
             f"L{config.num_hidden_layers} vocab {config.vocab_size}), b{args.batch_size} s{args.max_length}"
-            f"{' activation checkpointing' if args.grad_checkpoint else ''}, {precision}, {world} x {gpu}, "
+            f"{f' activation checkpointing ({args.grad_checkpoint})' if args.grad_checkpoint else ''}, {precision}, {world} x {gpu}, "
             f"median of {args.steps} steps after {args.warmup}; MFU against {args.peak_tflops:g} TFLOP/s\n"
         )
         print(table(rows, [r for r in peer_rows if r.status == "ok"]), flush=True)

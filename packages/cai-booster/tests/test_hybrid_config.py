@@ -106,12 +106,25 @@ def test_unknown_keyword_suggests_the_close_one() -> None:
         HybridParallelPlugin(tp_sise=2, pp_size=1)
 
 
-def test_checkpoint_config_other_than_every_layer_is_refused() -> None:
-    class Partial:
-        gradient_checkpointing_ratio = 0.5
+def test_checkpoint_config_maps_to_policy_and_ratio() -> None:
+    class GradientCheckpointConfig:  # Colossal-AI's, by its attributes
+        def __init__(self, ratio: float) -> None:
+            self.gradient_checkpointing_ratio = ratio
+            self.num_ckpt_layers_per_stage = None
 
-    with raises("gradient_checkpointing_ratio=0.5"):
-        HybridParallelPlugin(tp_size=2, pp_size=1, gradient_checkpoint_config=Partial())
+    cfg = HybridParallelPlugin(
+        tp_size=2, pp_size=1, gradient_checkpoint_config=GradientCheckpointConfig(0.5)
+    ).config
+    assert (cfg.gradient_checkpointing, cfg.gradient_checkpointing_ratio) == ("full", 0.5)
+    assert HybridParallelPlugin(tp_size=2, pp_size=1).config.gradient_checkpointing is False
+    with raises("gradient_checkpointing_ratio=1.5"):
+        HybridParallelPlugin(tp_size=2, pp_size=1, gradient_checkpoint_config=GradientCheckpointConfig(1.5))
+    per_stage = GradientCheckpointConfig(0.0)
+    per_stage.num_ckpt_layers_per_stage = [2, 1]
+    with raises("num_ckpt_layers_per_stage"):
+        HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=2, gradient_checkpoint_config=per_stage)
+    with raises("gradient_checkpointing='some'"):
+        HybridParallelConfig(gradient_checkpointing="some")
 
 
 def test_moe_plugin_keywords_and_sizes() -> None:

@@ -1,9 +1,10 @@
 """cai-booster: the Booster facade and plugins (TorchDDP, TorchFSDP, LowLevelZero, Gemini), mixed precision,
-lazy initialisation, resumable distributed data loading and LoRA."""
+lazy initialisation, resumable distributed data loading, LoRA and activation checkpointing."""
 
 from importlib.metadata import version as _version
 
 from cai.booster._booster import Booster
+from cai.booster._checkpointing import activation_checkpointing
 from cai.booster._dataloader import ResumableDataLoader, StatefulDistributedSampler, prepare_dataloader
 from cai.booster._lazy import LazyInitContext, set_pretrained_path
 from cai.booster._precision import (
@@ -27,6 +28,7 @@ __all__ = [
     "ResumableDataLoader",
     "StatefulDistributedSampler",
     "__version__",
+    "activation_checkpointing",
     "mixed_precision_factory",
     "prepare_dataloader",
     "set_pretrained_path",

@@ -44,14 +44,22 @@ def _same(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Mapped:
-    """One Colossal-AI keyword that sets ``path`` (dotted, into the config) to ``convert(value)``.
+    """One Colossal-AI keyword that sets ``path`` (dotted, into the config) to ``convert(value)``; a tuple of paths
+    takes a tuple of values from ``convert`` (one keyword that sets several fields).
 
     ``check(value)`` returns why a value is invalid, in the keyword's own units, or None; it runs before the
     conversion so that the error never speaks of the converted number.
     """
 
-    path: str
+    path: str | tuple[str, ...]
     convert: Callable[[Any], Any] = _same
+
+    def values(self, value: Any) -> dict[str, Any]:
+        """The config fields ``value`` sets, by dotted path."""
+        if isinstance(self.path, str):
+            return {self.path: self.convert(value)}
+        return dict(zip(self.path, self.convert(value), strict=True))
+
     check: Callable[[Any], str | None] | None = None
 
 
@@ -227,13 +235,27 @@ def _layers(value: Any) -> Any:
     return None if value is None else tuple(value)
 
 
+def _checkpoint_from_colossal(value: Any) -> tuple[Any, float]:
+    # Colossal-AI's GradientCheckpointConfig(gradient_checkpointing_ratio): the first int(ratio * layers) layers
+    # of each stage are recomputed; None (or False) turns checkpointing off, True recomputes every layer.
+    if value is None or value is False:
+        return False, 1.0
+    if value is True:
+        return "full", 1.0
+    return "full", float(getattr(value, "gradient_checkpointing_ratio", 1.0))
+
+
 def _checkpoint_config_check(value: Any) -> str | None:
-    ratio = getattr(value, "gradient_checkpointing_ratio", 1.0) if value is not None else 1.0
-    if value is not None and not isinstance(value, bool) and ratio != 1.0:
+    if value is None or isinstance(value, bool):
+        return None
+    if getattr(value, "num_ckpt_layers_per_stage", None) is not None:
         return (
-            f"has gradient_checkpointing_ratio={ratio}; only 1.0 (every decoder block recomputed) is built, or "
-            "None to turn it off"
+            "has num_ckpt_layers_per_stage; per-stage layer counts are not built, use gradient_checkpointing_ratio "
+            "(the first int(ratio * layers) of every stage)"
         )
+    ratio = getattr(value, "gradient_checkpointing_ratio", 1.0)
+    if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        return f"has gradient_checkpointing_ratio={ratio!r}; use a fraction in [0, 1]"
     return None
 
 
@@ -270,7 +292,9 @@ HYBRID_ARGS = PluginArgs(
         # enable_all_optimization folds into this one (fused normalization is the optimization built)
         "enable_fused_normalization": Mapped("fused_normalization"),
         "gradient_checkpoint_config": Mapped(
-            "gradient_checkpointing", lambda v: v is not None and v is not False, _checkpoint_config_check
+            ("gradient_checkpointing", "gradient_checkpointing_ratio"),
+            _checkpoint_from_colossal,
+            _checkpoint_config_check,
         ),
     },
     defaults={
@@ -371,16 +395,16 @@ def config_from_kwargs(args: PluginArgs, config_type: type, config: Any, kwargs:
                 f"config={config_type.__name__}(...) or Colossal-AI's keyword arguments"
             )
         for name, value in mapped.items():
-            path = args.mapped[name].path
-            want, have = args.mapped[name].convert(value), _get(config, path)
-            if want != have:
-                raise ValueError(
-                    f"{owner}: {name}={value!r} conflicts with config.{path}={have!r}; set it in the config "
-                    f"(dataclasses.replace) or drop the keyword"
-                )
+            for path, want in args.mapped[name].values(value).items():
+                have = _get(config, path)
+                if want != have:
+                    raise ValueError(
+                        f"{owner}: {name}={value!r} conflicts with config.{path}={have!r}; set it in the config "
+                        f"(dataclasses.replace) or drop the keyword"
+                    )
         return config
     given = {**args.defaults, **mapped}
-    values = {args.mapped[n].path: args.mapped[n].convert(v) for n, v in given.items()}
+    values = {path: v for n, value in given.items() for path, v in args.mapped[n].values(value).items()}
     try:
         return _build(config_type(), values)
     except (ValueError, TypeError) as err:
@@ -388,7 +412,11 @@ def config_from_kwargs(args: PluginArgs, config_type: type, config: Any, kwargs:
         if text.startswith(f"{owner}: "):
             raise  # a check written for the plugin already speaks of its keywords
         # The config names its own fields; name the keywords the user passed that set them.
-        blamed = [n for n in mapped if re.search(rf"\b{args.mapped[n].path.split('.')[-1]}\b", text)]
+        blamed = [
+            n
+            for n in mapped
+            if any(re.search(rf"\b{p.split('.')[-1]}\b", text) for p in args.mapped[n].values(mapped[n]))
+        ]
         said = ", ".join(f"{n}={kwargs[n]!r}" for n in blamed)
         lead = f"{said} {'is' if len(blamed) == 1 else 'are'} invalid: " if blamed else ""
         raise type(err)(f"{owner}: {lead}{text}") from err

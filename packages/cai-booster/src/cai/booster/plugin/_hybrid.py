@@ -29,12 +29,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from cai.booster._checkpointing import activation_checkpointing
 from cai.booster._lazy import initialise, is_lazy, materialize
 from cai.booster._precision import check_precision, precision_dtype
 from cai.booster._pretrained import load_pretrained_into
@@ -135,8 +136,12 @@ class HybridParallelConfig:
         fused_normalization: replace RMSNorm / LayerNorm by cai-kernels' fused ones.
         make_vocab_size_divisible_by: pad the vocabulary to a multiple of this times tp (None: no padding).
         custom_policy: a cai-shardformer ``Policy`` instead of the one registered for the model's class.
-        gradient_checkpointing: recompute each decoder block in backward (the model's own
-            ``gradient_checkpointing_enable``).
+        gradient_checkpointing: recompute decoder blocks in backward: ``"full"`` (or True) keeps only each
+            block's input, ``"selective"`` keeps the matmul and attention outputs and recomputes the elementwise
+            ops (``cai.booster.activation_checkpointing``); False keeps everything.
+        gradient_checkpointing_ratio: the leading fraction of each pipeline stage's blocks that are recomputed
+            (the first ``int(ratio * blocks)``, Colossal-AI's ``GradientCheckpointConfig``); the rest keep all
+            their activations.
 
     Example::
 
@@ -156,10 +161,21 @@ class HybridParallelConfig:
     fused_normalization: bool = False
     make_vocab_size_divisible_by: int | None = 64
     custom_policy: Any = None
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["full", "selective"] = False
+    gradient_checkpointing_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         owner = "HybridParallelPlugin"
+        if self.gradient_checkpointing not in (False, True, "full", "selective"):
+            raise ValueError(
+                f"{owner}: gradient_checkpointing={self.gradient_checkpointing!r}; use False, True / 'full' or "
+                "'selective'"
+            )
+        if not 0.0 <= self.gradient_checkpointing_ratio <= 1.0:
+            raise ValueError(
+                f"{owner}: gradient_checkpointing_ratio={self.gradient_checkpointing_ratio} must be in [0, 1] (the "
+                "fraction of each stage's blocks recomputed)"
+            )
         check_precision(self.precision, _PRECISIONS, owner=owner)
         for name in ("tp_size", "pp_size", "sp_size"):
             value = getattr(self, name)
@@ -344,10 +360,11 @@ class HybridParallelPlugin(Plugin):
         lazy = is_lazy(model)
         if not lazy:
             place_replicated(model, ctx)
-        if cfg.gradient_checkpointing:
-            _enable_checkpointing(model)
         model = self._shard(model)
         module: nn.Module = self._split(model) if self.pp_size > 1 else model
+        if cfg.gradient_checkpointing:  # after the split: the ratio counts this stage's blocks
+            policy = "full" if cfg.gradient_checkpointing is True else cfg.gradient_checkpointing
+            activation_checkpointing(module, policy, ratio=cfg.gradient_checkpointing_ratio)
         rename = module.global_name if self.pp_size > 1 else _same
         # a peft model is named by its base model's names, as the checkpoint states see it (ModelWrapper.unwrap)
         named_from = module.get_base_model() if _is_peft(module) else module
@@ -670,13 +687,3 @@ def _initialise(module: nn.Module) -> None:
 def _spec_key(entry: Any) -> list[tuple]:
     pieces = entry if isinstance(entry, list) else [entry]
     return [(s.spec.offsets, s.spec.block_shape, s.spec.flat_range) for s in pieces]
-
-
-def _enable_checkpointing(model: nn.Module) -> None:
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None:
-        raise ValueError(
-            f"HybridParallelPlugin: gradient checkpointing needs a model with gradient_checkpointing_enable() (a "
-            f"Hugging Face model); {type(model).__name__} has none"
-        )
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
