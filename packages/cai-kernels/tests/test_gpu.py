@@ -106,3 +106,29 @@ def test_patched_tiny_llama_bf16_matches_unpatched(monkeypatch):
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert rel_err(p.grad, ref_params[name].grad) < 0.1, name
+
+
+def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear():
+    from cai.kernels import Fp8Linear, fp8_matmul, quantize_rowwise
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    qa, sa = quantize_rowwise(a)
+    qb, sb = quantize_rowwise(b)
+    emulated = (qa.float() * sa) @ (qb.float() * sb).t()
+    got = fp8_matmul(a, b, torch.bfloat16)  # torch._scaled_mm with row-wise scales
+    assert got.dtype == torch.bfloat16 and rel_err(got, emulated) < 1e-2  # accumulation order and bf16 output
+    lin = torch.nn.Linear(512, 384, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.Linear(512, 384, device="cuda", dtype=torch.bfloat16)
+    ref.load_state_dict(lin.state_dict())
+    lin.__class__ = Fp8Linear
+    x = torch.randn(4, 64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x8 = x.detach().clone().requires_grad_(True)
+    dy = torch.randn(4, 64, 384, device="cuda", dtype=torch.bfloat16)
+    (ref(x) * dy).sum().backward()
+    (lin(x8) * dy).sum().backward()
+    for got, want in ((x8.grad, x.grad), (lin.weight.grad, ref.weight.grad)):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.1

@@ -1,4 +1,4 @@
-"""cai-kernels: Triton training kernels (norms, rotary, SwiGLU, fused linear cross-entropy, mixture-of-experts grouped GEMM) and Adam optimizers (CPUAdam, FusedAdam, HybridAdam), each with a pure-torch fallback.
+"""cai-kernels: Triton training kernels (norms, rotary, SwiGLU, fused linear cross-entropy, mixture-of-experts grouped GEMM), FP8 linear layers and Adam optimizers (CPUAdam, FusedAdam, HybridAdam), each with a pure-torch fallback.
 
 Every kernel function picks the Triton kernel for CUDA tensors and a pure-torch implementation otherwise;
 `CAI_KERNELS_FALLBACK=1` forces the torch path and `CAI_KERNELS_IMPL=triton|torch|auto` chooses explicitly
@@ -8,6 +8,7 @@ Every kernel function picks the Triton kernel for CUDA tensors and a pure-torch 
 from importlib.metadata import version as _version
 
 from cai.kernels._dispatch import kernel_report, use_triton
+from cai.kernels._fp8 import Fp8Linear, convert_to_fp8, fp8_matmul, quantize_rowwise
 from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, patch_hf_model
 from cai.kernels._moe import grouped_linear, permute_tokens, unpermute_tokens
@@ -19,13 +20,16 @@ from cai.kernels._swiglu import SwiGLUMLP, swiglu
 __version__ = _version("cai-kernels")
 
 __all__ = [
+    "Fp8Linear",
     "FusedLMHead",
     "LayerNorm",
     "RMSNorm",
     "SwiGLUMLP",
     "__version__",
     "apply_rotary_pos_emb",
+    "convert_to_fp8",
     "defer_lm_head_loss",
+    "fp8_matmul",
     "fused_linear_cross_entropy",
     "grouped_linear",
     "kernel_report",
@@ -33,6 +37,7 @@ __all__ = [
     "paged_attention",
     "patch_hf_model",
     "permute_tokens",
+    "quantize_rowwise",
     "rms_norm",
     "swiglu",
     "unpermute_tokens",

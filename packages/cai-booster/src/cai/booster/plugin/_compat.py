@@ -129,6 +129,7 @@ LOW_LEVEL_ZERO_ARGS = PluginArgs(
         "overlap_allgather": Mapped("zero.overlap_allgather"),
         "cpu_offload": Mapped("zero.cpu_offload"),
         "cast_inputs": Mapped("cast_inputs"),
+        "use_fp8": Mapped("use_fp8"),
     },
     # Colossal-AI's defaults where they differ from LowLevelZeroConfig's.
     defaults={
@@ -143,7 +144,7 @@ LOW_LEVEL_ZERO_ARGS = PluginArgs(
     rejected=(
         Rejected(("norm_type",), 2.0, "use norm_type=2.0 (clipping uses the global L2 norm)"),
         Rejected(("master_weights",), True, "use master_weights=True; fp32 masters are kept"),
-        Rejected(("fp8_communication", "use_fp8"), False, "leave both False (fp8 is not implemented)"),
+        Rejected(("fp8_communication",), False, "leave it False (fp8 communication is not implemented)"),
         Rejected(("extra_dp_size",), 1, "use 1 (the ZeRO group is the whole world)"),
     ),
 )
@@ -205,7 +206,6 @@ GEMINI_ARGS = PluginArgs(
         Rejected(("gpu_margin_mem_ratio",), 0.0, "leave it 0.0 (use steady_cuda_cap_ratio)"),
         Rejected(("master_weights",), True, "use master_weights=True (fp32 master weights are always kept)"),
         Rejected(("force_outputs_fp32",), False, "leave it False and cast the outputs in the loss"),
-        Rejected(("use_fp8",), False, "leave it False (fp8 compute is not implemented)"),
         Rejected(("fp8_communication",), False, "leave it False (fp8 communication is not implemented)"),
         Rejected(
             ("enable_sequence_parallelism",), False, "leave it False (sequence parallelism needs tp_size > 1)"
@@ -216,6 +216,7 @@ GEMINI_ARGS = PluginArgs(
         "enable_fused_normalization": _KERNELS,
         "enable_jit_fused": _KERNELS,
         "enable_flash_attention": _KERNELS + ", and a model on eager attention switches to torch SDPA",
+        "use_fp8": "True runs the linear layers (not the output head) in FP8 (cai.kernels.convert_to_fp8) at boost()",
         "enable_gradient_accumulation": (
             "True turns the overlapped host step off unless it is asked for (then plain repeated backward "
             "accumulates too); without it, accumulate inside no_sync()"
@@ -324,7 +325,12 @@ HYBRID_ARGS = PluginArgs(
             ("scheduler_nodes",), None, "leave it None (pp_style='zbv' builds its own zero-bubble plan)"
         ),
         Rejected(("inner_ring_size",), None, "leave it None (double-ring attention is not built)"),
-        Rejected(("fp8_communication", "use_fp8"), False, "leave both False (fp8 is not implemented)"),
+        Rejected(("fp8_communication",), False, "leave it False (fp8 communication is not implemented)"),
+        Rejected(
+            ("use_fp8",),
+            False,
+            "leave it False (FP8 linear layers are built for LowLevelZeroPlugin and GeminiPlugin)",
+        ),
     ),
 )
 

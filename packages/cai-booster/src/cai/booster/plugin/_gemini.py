@@ -44,8 +44,9 @@ class GeminiPlugin(DPPluginBase):
     ``verbose`` are ignored. ``enable_all_optimization``, ``enable_fused_normalization``, ``enable_jit_fused``
     and ``enable_flash_attention`` apply cai-kernels' fused norms, SwiGLU, rotary and loss to the model at
     ``boost()`` (``cai.kernels.patch_hf_model``). Tensor parallelism (``tp_size > 1``), ``extra_dp_size > 1``,
-    ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False``, ``force_outputs_fp32`` and fp8 raise with
-    what to use instead. The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with
+    ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False``, ``force_outputs_fp32`` and
+    ``fp8_communication`` raise with what to use instead. ``use_fp8=True`` runs the linear layers in FP8
+    (``cai.kernels.convert_to_fp8``). The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with
     ``config=`` raises.
 
     cai's own: ``overlap_host_step=None``: with optimizer chunks on the host, update each one on a worker thread as
@@ -76,6 +77,7 @@ class GeminiPlugin(DPPluginBase):
                 )
             cfg = dataclasses.replace(cfg, overlap_host_step=False)
         self.config = cfg
+        self.use_fp8 = bool(own.pop("use_fp8", False))
         self.flash_attention = bool(own.get("enable_flash_attention", False))
         # any of Colossal-AI's kernel switches applies cai-kernels at boost()
         self.patch_kernels = any(own.values())
@@ -101,6 +103,10 @@ class GeminiPlugin(DPPluginBase):
 
         if self.patch_kernels:
             apply_kernels(model, flash_attention=self.flash_attention)
+        if self.use_fp8:
+            from cai.kernels import convert_to_fp8
+
+            convert_to_fp8(model)
         names = param_names(model)
         # A lazy model is materialised whole on each rank before chunking (cai-gemini builds chunks from real
         # parameters); pretrained weights are read then.

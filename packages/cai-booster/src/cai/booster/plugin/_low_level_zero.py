@@ -58,6 +58,8 @@ class LowLevelZeroConfig:
             weights are kept in the optimizer whatever this is.
         loss_scale: dynamic loss scaling, used with ``"fp16"`` only (``cai.zero.LossScaleConfig``).
         cast_inputs: cast floating-point forward inputs to the working precision.
+        use_fp8: run the model's linear layers (not the output head) in FP8 with row-wise dynamic scales
+            (``cai.kernels.convert_to_fp8``, at ``boost()``); the fp32 masters are unchanged.
 
     Example::
 
@@ -68,6 +70,7 @@ class LowLevelZeroConfig:
     precision: str = "bf16"
     loss_scale: LossScaleConfig = field(default_factory=_loss_scale_config)
     cast_inputs: bool = True
+    use_fp8: bool = False
 
     def __post_init__(self) -> None:
         from cai.zero import LossScaleConfig, ZeroConfig
@@ -97,8 +100,8 @@ class LowLevelZeroPlugin(DPPluginBase):
     backoff_factor=0.5, growth_interval=1000, hysteresis=2, max_scale=2**32``), ``max_norm=0.0`` (global gradient
     clipping inside ``step``), ``reduce_bucket_size_in_m=12``, ``communication_dtype=None``,
     ``overlap_communication=True``, ``overlap_allgather=False``, ``cpu_offload=False``, ``cast_inputs=True``.
-    ``verbose`` is ignored; ``norm_type`` other than 2.0, ``master_weights=False``, fp8 and ``extra_dp_size > 1``
-    raise. The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with ``config=`` raises.
+    ``use_fp8=True`` runs the linear layers in FP8. ``verbose`` is ignored; ``norm_type`` other than 2.0,
+    ``master_weights=False``, ``fp8_communication`` and ``extra_dp_size > 1`` raise. The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with ``config=`` raises.
 
     Example::
 
@@ -140,6 +143,10 @@ class LowLevelZeroPlugin(DPPluginBase):
     ) -> Boosted:
         from cai.zero import ZeroOptimizer
 
+        if self.config.use_fp8:
+            from cai.kernels import convert_to_fp8
+
+            convert_to_fp8(model)
         names = param_names(model)
         place_replicated(model, ctx)
         dtype = precision_dtype(self.precision)

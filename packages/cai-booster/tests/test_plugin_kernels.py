@@ -1,5 +1,6 @@
-"""GeminiPlugin's Colossal-AI kernel switches apply cai-kernels at boost(): the model's norms and MLPs become the
-fused modules (same Parameters) and it trains to the same losses as the unpatched model."""
+"""Kernels a plugin applies at boost(): GeminiPlugin's Colossal-AI kernel switches turn the model's norms and MLPs
+into cai-kernels' fused modules (same Parameters, the same losses as the unpatched model); use_fp8=True on
+LowLevelZeroPlugin and GeminiPlugin runs the linear layers in FP8 and trains within FP8's error of fp32."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from cai.booster import Booster
-from cai.booster.plugin import GeminiPlugin
+from cai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
 from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -24,7 +25,7 @@ def _llama():
     return transformers.LlamaForCausalLM(config)
 
 
-def _train(model, plugin: GeminiPlugin, steps: int = 3) -> tuple[list[float], set[str], str]:
+def _train(model, plugin, steps: int = 3) -> tuple[list[float], set[str], str]:
     booster = Booster(plugin=plugin, device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt, *_ = booster.boost(model, opt)
@@ -57,3 +58,20 @@ def _compare() -> None:
 
 def test_kernel_switches_patch_the_model_and_train_the_same() -> None:
     run_distributed(_compare, 1)
+
+
+def _fp8_compare() -> None:
+    base = _llama()
+    ref = _train(copy.deepcopy(base), LowLevelZeroPlugin(stage=2, precision="fp32"), steps=6)[0]
+    for plugin in (
+        LowLevelZeroPlugin(stage=2, precision="fp32", use_fp8=True),
+        GeminiPlugin(precision="fp32", use_fp8=True),
+    ):
+        losses, kinds, _ = _train(copy.deepcopy(base), plugin, steps=6)
+        assert "Fp8Linear" in kinds
+        assert_close(torch.tensor(losses), torch.tensor(ref), rtol=0.02, atol=0.0, name=type(plugin).__name__)
+        assert losses != ref  # the FP8 matmuls ran
+
+
+def test_use_fp8_runs_the_linear_layers_in_fp8() -> None:
+    run_distributed(_fp8_compare, 1)

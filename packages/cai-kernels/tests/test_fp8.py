@@ -1,0 +1,102 @@
+"""FP8 linear layers: row-wise quantisation within e4m3's rounding error, the emulated matmul equal to the product of
+the dequantised operands, forward and both gradients within FP8's known error of fp32, and a tiny Llama trained in
+FP8 to the fp32 run's loss band."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from cai.kernels import Fp8Linear, convert_to_fp8, fp8_matmul, quantize_rowwise
+from cai.kernels._fp8 import E4M3, E5M2
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.detach().float() - want.detach().float()).norm() / want.detach().float().norm())
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_rowwise_quantisation_error_is_fp8_rounding(dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (
+        torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 64)[:, None]
+    )  # rows of very different scales
+    q, scale = quantize_rowwise(x, dtype)
+    assert q.dtype == dtype and scale.shape == (64, 1)
+    back = q.float() * scale
+    fmax = torch.finfo(dtype).max
+    assert torch.equal(q.float().abs().amax(1), torch.full((64,), fmax))  # each row's amax maps to fp8's max
+    mantissa = {E4M3: 3, E5M2: 2}[dtype]
+    tiny = {E4M3: 2.0**-9, E5M2: 2.0**-16}[dtype]  # the smallest subnormal, in units of the scale
+    bound = torch.maximum(x.abs() * 2.0 ** -(mantissa + 1), tiny / 2 * scale)  # half an ulp
+    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+
+
+def test_emulated_matmul_is_the_product_of_the_dequantised_operands() -> None:
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(32, 128, generator=g), torch.randn(48, 128, generator=g)
+    qa, sa = quantize_rowwise(a)
+    qb, sb = quantize_rowwise(b)
+    want = (qa.float() * sa) @ (qb.float() * sb).t()
+    torch.testing.assert_close(fp8_matmul(a, b, torch.float32), want, rtol=0, atol=0)
+    assert _rel(fp8_matmul(a, b, torch.float32), a @ b.t()) < 0.05  # e4m3 on both sides, K = 128
+
+
+def test_fp8_linear_forward_and_gradients_within_fp8_error() -> None:
+    g = torch.Generator().manual_seed(2)
+    ref = nn.Linear(128, 64, bias=True)
+    fp8 = copy.deepcopy(ref)
+    fp8.__class__ = Fp8Linear
+    x = torch.randn(4, 16, 128, generator=g, requires_grad=True)
+    x8 = x.detach().clone().requires_grad_(True)
+    dy = torch.randn(4, 16, 64, generator=g)
+    y, y8 = ref(x), fp8(x8)
+    (y * dy).sum().backward()
+    (y8 * dy).sum().backward()
+    assert _rel(y8, y) < 0.05
+    assert _rel(x8.grad, x.grad) < 0.1  # e5m2 gradients (2 mantissa bits) times e4m3 weights
+    assert _rel(fp8.weight.grad, ref.weight.grad) < 0.1
+    torch.testing.assert_close(fp8.bias.grad, ref.bias.grad)  # the bias gradient is an exact sum
+    fp8.eval()
+    torch.testing.assert_close(fp8(x8), ref(x8))  # evaluation runs the plain linear
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _train(model, steps: int = 40) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(5)
+    starts = torch.randint(0, 128, (8, 2, 1), generator=gen)
+    data = (starts + 3 * torch.arange(32)) % 128  # each token follows from the one before: learnable
+    losses = []
+    for step in range(steps):
+        ids = data[step % 8]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_convert_keeps_parameters_and_a_tiny_llama_trains_to_the_fp32_band() -> None:
+    base = _llama()
+    model = copy.deepcopy(base)
+    names = list(model.state_dict())
+    assert convert_to_fp8(model) == 2 * 7  # every projection; not the lm_head
+    assert type(model.lm_head) is nn.Linear and list(model.state_dict()) == names
+    assert convert_to_fp8(nn.Sequential(nn.Linear(10, 16))) == 0  # features not multiples of 16 stay
+    ref, got = _train(base), _train(model)
+    assert got[-1] < 0.5 * got[0]  # it learns
+    assert abs(sum(got[-8:]) / 8 - sum(ref[-8:]) / 8) < 0.05 * sum(ref[-8:]) / 8
