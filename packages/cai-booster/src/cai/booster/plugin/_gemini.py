@@ -40,8 +40,8 @@ class GeminiPlugin(DPPluginBase):
     ``hidden_dim=None``, ``min_chunk_size_m=32``, ``chunk_config_dict=None`` (``{"chunk_size": n}``),
     ``max_prefetch=0``, the loss scaler (``initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
     growth_interval=1000, hysteresis=2, max_scale=2**32``), ``max_norm=0.0``, ``norm_type=2.0``.
-    ``enable_gradient_accumulation``, ``chunk_init_device``, ``strict_ddp_mode``, ``enable_async_reduce`` and
-    ``verbose`` are ignored. ``enable_all_optimization``, ``enable_fused_normalization``, ``enable_jit_fused``
+    ``chunk_init_device``, ``strict_ddp_mode``, ``enable_async_reduce`` and ``verbose`` are ignored.
+    ``enable_gradient_accumulation=True`` turns the overlapped host step off (below). ``enable_all_optimization``, ``enable_fused_normalization``, ``enable_jit_fused``
     and ``enable_flash_attention`` apply cai-kernels' fused norms, SwiGLU, rotary and loss to the model at
     ``boost()`` (``cai.kernels.patch_hf_model``). Tensor parallelism (``tp_size > 1``), ``extra_dp_size > 1``,
     ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False``, ``force_outputs_fp32`` and
