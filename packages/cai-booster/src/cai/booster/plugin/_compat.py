@@ -53,14 +53,13 @@ class Mapped:
 
     path: str | tuple[str, ...]
     convert: Callable[[Any], Any] = _same
+    check: Callable[[Any], str | None] | None = None
 
     def values(self, value: Any) -> dict[str, Any]:
         """The config fields ``value`` sets, by dotted path."""
         if isinstance(self.path, str):
             return {self.path: self.convert(value)}
         return dict(zip(self.path, self.convert(value), strict=True))
-
-    check: Callable[[Any], str | None] | None = None
 
 
 @dataclass(frozen=True)
