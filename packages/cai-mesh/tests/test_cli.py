@@ -452,6 +452,32 @@ def test_cli_requires_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.value.code == 2 and "run,check" in capsys.readouterr().err
 
 
+def test_cai_run_and_check_load_no_plugins(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import cai.mesh._cli as cli
+
+    loaded = []
+
+    class _EntryPoint:
+        name, value = "serve", "pkg:add_serve_parser"
+
+        def load(self):
+            loaded.append(self.name)
+            return lambda sub: sub.add_parser("serve")
+
+    monkeypatch.setattr(cli.md, "entry_points", lambda group: [_EntryPoint()] if group == "cai.cli" else [])
+    # the launcher's own commands start without importing other packages
+    assert main(["run", "--dry_run", "--nproc_per_node", "1", "t.py"]) == 0
+    assert "-m torch.distributed.run --nproc_per_node=1" in capsys.readouterr().out
+    assert loaded == []
+    # any other command line lists the plugins' commands beside them
+    with pytest.raises(SystemExit) as err:
+        main([])
+    assert err.value.code == 2 and "run,check,serve" in capsys.readouterr().err
+    assert loaded == ["serve"]
+
+
 NCCL_WORKER = textwrap.dedent(
     """
     import sys

@@ -11,6 +11,8 @@ from cai.mesh._cli_run import add_run_parser
 
 __all__ = ["build_parser", "main"]
 
+_BUILTIN = ("run", "check")
+
 
 class _SubcommandParser(argparse.ArgumentParser):
     """A subcommand's usage lists every option (30 lines for ``cai run``); a mistake gets one line instead."""
@@ -19,13 +21,15 @@ class _SubcommandParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
+    """The ``cai`` parser; ``plugins=False`` leaves out the subcommands of other packages (see ``main``)."""
     parser = argparse.ArgumentParser(prog="cai", description="Launch and inspect cai training jobs.")
     sub = parser.add_subparsers(dest="command", metavar="{run,check}", parser_class=_SubcommandParser)
     sub.required = True
     add_run_parser(sub)
     add_check_parser(sub)
-    _add_plugin_parsers(sub)
+    if plugins:
+        _add_plugin_parsers(sub)
     return parser
 
 
@@ -49,7 +53,12 @@ def _add_plugin_parsers(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``cai`` console script; returns the exit code."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # `cai run` and `cai check` are this package's own: loading the plugins would import their packages (cai-infer
+    # imports transformers, seconds on a small machine) into a launcher that runs torchrun in this process, on every
+    # node of a hostfile job. Any other command line (a plugin's command, --help, a mistake) lists them all.
+    builtin = bool(argv) and argv[0] in _BUILTIN
+    args = build_parser(plugins=not builtin).parse_args(argv)
     return int(args.func(args))
 
 
