@@ -1,8 +1,8 @@
 """HybridParallelPlugin against one process: each layout x {plain, gradient accumulation, clipping}, 20 AdamW
 steps of a tiny Llama through ``Booster``, in fp32.
 
-Every rank trains the one-process reference on the whole global batch itself (cheap at this size) and compares
-inside the worker. Each data-parallel rank gets its own slice of the global batch, so a missing or doubled
+The test process trains the one-process reference on the whole global batch (once per model and mode, cached) and
+hands it to every rank, which compares inside the worker. Each data-parallel rank gets its own slice of the global batch, so a missing or doubled
 data-parallel average fails; tensor, sequence and pipeline ranks of one replica read the same slice. Compared:
 the loss of every step (on every rank; the pipeline broadcasts it), and at the end every parameter assembled from
 all ranks' pieces of the plugin's checkpoint state (tp blocks x ZeRO flat ranges x pipeline stages, under the full
@@ -134,8 +134,17 @@ def rows(b: dict[str, torch.Tensor], part: int, parts: int) -> dict[str, torch.T
 
 @functools.cache
 def reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The one-process run (cached: a pooled worker keeps this module between cases, so each worker computes each
-    of the six references once; callers only read the result)."""
+    """The one-process run, in the test process (cached: each of the six references is trained once per test
+    process, not once per rank; callers only read the result), on one thread as the pooled workers are."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_run(tied, mode)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = hybrid_llama(tied)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     micro = 2 if mode == "accum" else 1
@@ -154,11 +163,11 @@ def reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.T
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def boosted_run(case: Case) -> float:
+def boosted_run(case: Case, reference: tuple[list[float], dict[str, torch.Tensor]]) -> float:
     from cai.booster import Booster
     from cai.booster.plugin import HybridParallelPlugin
 
-    ref_losses, ref_params = reference_run(case.layout.tied, case.mode)
+    ref_losses, ref_params = reference
     plugin = HybridParallelPlugin(precision="fp32", max_norm=MAX_NORM if case.mode == "clip" else 0.0,
                                   **case.layout.plugin_kwargs())  # fmt: skip
     booster = Booster(plugin=plugin, device="cpu")
@@ -199,7 +208,8 @@ def boosted_run(case: Case) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_hybrid_parity(case: Case) -> None:
-    results = run_distributed(boosted_run, case.layout.world, case, timeout=300)
+    reference = reference_run(case.layout.tied, case.mode)
+    results = run_distributed(boosted_run, case.layout.world, case, reference, timeout=300)
     assert len({round(r, 10) for r in results}) == 1, results
 
 

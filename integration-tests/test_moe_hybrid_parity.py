@@ -83,7 +83,16 @@ def batch(step: int) -> dict[str, torch.Tensor]:
 
 @functools.cache
 def reference(family: str, data: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The one-process run, cached per worker process (see test_hybrid_parity.reference_run)."""
+    """The one-process run, in the test process on one thread and cached (see test_hybrid_parity.reference_run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(family, data)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(family: str, data: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = model_for(family, data)
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
     losses = []
@@ -96,11 +105,11 @@ def reference(family: str, data: str) -> tuple[list[float], dict[str, torch.Tens
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def boosted_run(case: Case) -> float:
+def boosted_run(case: Case, ref: tuple[list[float], dict[str, torch.Tensor]]) -> float:
     from cai.booster import Booster
     from cai.booster.plugin import MoeHybridParallelPlugin
 
-    ref_losses, ref_params = reference(case.family, case.data)
+    ref_losses, ref_params = ref
     plugin = MoeHybridParallelPlugin(tp_size=case.tp, pp_size=1, ep_size=case.ep, zero_stage=case.zero,
                                      precision="fp32")  # fmt: skip
     booster = Booster(plugin=plugin, device="cpu")
@@ -129,7 +138,7 @@ def boosted_run(case: Case) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_moe_hybrid_parity(case: Case) -> None:
-    results = run_distributed(boosted_run, case.world, case, timeout=300)
+    results = run_distributed(boosted_run, case.world, case, reference(case.family, case.data), timeout=300)
     assert len({round(r, 10) for r in results}) == 1, results
 
 

@@ -2,7 +2,8 @@
 20 steps of a tiny Llama through ``Booster`` against the same model trained in one process in fp32.
 
 Each case runs on ``dp`` gloo ranks; every rank also trains the one-process reference on the whole global batch
-(cheap at this size), so the comparison happens inside the worker and only the verdict travels back. Every rank
+(cheap at this size, and cached: a pooled worker trains each mode's reference once), so the comparison happens
+inside the worker and only the verdict travels back. Every rank
 compares the losses, its pieces of the reduced gradients (first and last step) and the parameters assembled from
 all ranks' pieces; the model's odd sizes leave padding on the last rank of every flat layout.
 
@@ -14,6 +15,7 @@ has GPUs for), each rank's reference on its own GPU, with the same tolerances:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -83,9 +85,11 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
+@functools.cache
 def reference_run(
     mode: str, micro: int, device: str
 ) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
+    """The one-process run (cached: a pooled worker keeps this module between cases; callers only read it)."""
     model = tiny_llama().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses, grads = [], []
