@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cai.mesh.testing import assert_close, run_distributed
+from cai.mesh.testing import assert_close, one_thread, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,12 +136,8 @@ def rows(b: dict[str, torch.Tensor], part: int, parts: int) -> dict[str, torch.T
 def reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The one-process run, in the test process (cached: each of the six references is trained once per test
     process, not once per rank; callers only read the result), on one thread as the pooled workers are."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _reference_run(tied, mode)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cai.mesh.testing import assert_close, run_distributed
+from cai.mesh.testing import assert_close, one_thread, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,12 +84,8 @@ def batch(step: int) -> dict[str, torch.Tensor]:
 @functools.cache
 def reference(family: str, data: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The one-process run, in the test process on one thread and cached (see test_hybrid_parity.reference_run)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _reference(family, data)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _reference(family: str, data: str) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -203,11 +203,7 @@ def cai_engine(
                 # Off unless measured: random prompts share nothing and the lookups would only cost.
                 enable_prefix_caching=prefix_caching,
                 ignore_eos=True,
-                **(
-                    {}
-                    if args.use_cuda_kernel == "default"
-                    else {"use_cuda_kernel": args.use_cuda_kernel == "on"}
-                ),
+                use_cuda_kernel={"default": None, "on": True, "off": False}[args.use_cuda_kernel],
             ),
         )
     finally:

@@ -7,9 +7,7 @@ arithmetic on its pieces, so all of them match a one-process run bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ import torch.distributed as dist
 
 import cai.ckpt as ck
 from cai.mesh import LocalShard, ShardSpec
-from cai.mesh.testing import CollectiveCounter, TinyTransformer, make_batch, run_distributed
+from cai.mesh.testing import CollectiveCounter, TinyTransformer, make_batch, one_thread, run_distributed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,22 +185,10 @@ def _reference_run() -> tuple[dict[str, torch.Tensor], list[float], dict[str, to
 
 
 # ---- tests ---------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run in this process with one intra-op thread, as the pooled workers do: the comparisons are bitwise, and
-    a multi-threaded reduction may round differently from the workers' single-threaded one."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 def _run(fn, layout: Layout, *args: Any, **kwargs: Any) -> list[Any]:
     """One rank runs here without a process group (the non-distributed path); more go to gloo workers."""
     if layout.world == 1:
-        with _one_thread():
+        with one_thread():
             return [fn(layout, *args, **kwargs)]
     return run_distributed(fn, layout.world, layout, *args, **kwargs)
 
@@ -220,7 +206,7 @@ def saved(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference():
-    with _one_thread():
+    with one_thread():
         return _reference_run()
 
 

@@ -10,8 +10,6 @@ pipeline (a tiny Llama cut by ``build_stages``, 1F1B) saves and one process load
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,14 @@ from torch import nn
 import cai.ckpt as ck
 from cai.ckpt._groups import group_mismatches, merge_optimizer_groups, own_groups
 from cai.mesh import param_groups_state
-from cai.mesh.testing import CollectiveCounter, TinyTransformer, assert_close, make_batch, run_distributed
+from cai.mesh.testing import (
+    CollectiveCounter,
+    TinyTransformer,
+    assert_close,
+    make_batch,
+    one_thread,
+    run_distributed,
+)
 
 STEPS, BETAS, EPS = 3, (0.9, 0.99), 1e-8
 HYPER = ({"lr": 1e-2, "weight_decay": 0.1}, {"lr": 3e-3, "weight_decay": 0.0})  # matrices, then vectors
@@ -127,17 +132,6 @@ class _Rank:
         return _hyper(self.opt, self.names)
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread, as the pooled workers run: a multi-threaded reduction may round differently."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 def _whole(*, seed: int = 0, hyper=HYPER) -> tuple[TinyTransformer, torch.optim.AdamW, dict]:
     model = TinyTransformer(seed=seed)
     named = list(model.named_parameters())
@@ -147,7 +141,7 @@ def _whole(*, seed: int = 0, hyper=HYPER) -> tuple[TinyTransformer, torch.optim.
 @pytest.fixture(scope="module")
 def reference() -> tuple[dict, list[dict]]:
     """One AdamW over the whole model after ``STEPS`` steps: its state by name and its groups' hyperparameters."""
-    with _one_thread():
+    with one_thread():
         model, opt, names = _whole()
         for s in range(STEPS):
             _step(model, opt, s)
@@ -230,7 +224,7 @@ def test_a_split_saves_and_one_process_loads(tmp_path: Path, reference, split: S
     assert all(
         c == {"all_gather_object": 1, "all_gather": 0, "all_reduce": 0, "broadcast": 0} for c in counts
     )
-    with _one_thread():
+    with one_thread():
         model, opt, names = _whole(seed=5, hyper=OTHER)
         ck.load_optimizer(opt, tmp_path / "o", model=model)
         _check(_state(opt, names), _hyper(opt, names), reference, split.name)
@@ -256,7 +250,7 @@ def _load_split(split: Split, path: str) -> tuple[dict, list[dict], set[str], se
 
 @pytest.mark.parametrize("split", LOADS, ids=lambda s: s.name)
 def test_one_process_saves_and_a_split_loads(tmp_path: Path, reference, split: Split) -> None:
-    with _one_thread():
+    with one_thread():
         model, opt, _ = _whole()
         for s in range(STEPS):
             _step(model, opt, s)
@@ -327,7 +321,7 @@ def _pipeline_save(path: str) -> tuple[dict, list[dict], dict, list[dict]]:
 
 def test_pipeline_stages_save_and_one_process_loads(tmp_path: Path) -> None:
     stages = run_distributed(_pipeline_save, 2, str(tmp_path / "o"), timeout=300)
-    with _one_thread():
+    with one_thread():
         model = _llama()
         named = list(model.named_parameters())
         names = {p: n for n, p in named}

@@ -10,6 +10,7 @@ from cai.mesh.testing._models import TinyTransformer, make_batch
 from cai.mesh.testing._pool import (
     DistributedTestError,
     DistributedTestTimeout,
+    one_thread,
     run_distributed,
     shutdown_pools,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "TinyTransformer",
     "assert_close",
     "make_batch",
+    "one_thread",
     "run_distributed",
     "shutdown_pools",
 ]

@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -261,6 +261,20 @@ def shutdown_pools() -> None:
 
 
 atexit.register(shutdown_pools)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the body with one intra-op thread, as the pooled workers do: a reference computed in the test process
+    then rounds as theirs do (a multi-threaded reduction may round differently)."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def run_distributed(
