@@ -13,6 +13,8 @@ matmul inputs are quantised, each time.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,8 +34,14 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.
     return q, scale
 
 
+@functools.cache
+def _fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9) and hasattr(torch, "_scaled_mm")
+
+
 def _scaled_mm_ok(a: torch.Tensor) -> bool:
-    return a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9) and hasattr(torch, "_scaled_mm")
+    # asked three times a linear a step: the device's answer is looked up once
+    return a.is_cuda and _fp8_tensor_cores(a.device.index if a.device.index is not None else 0)
 
 
 def fp8_matmul(
