@@ -1,5 +1,6 @@
 """The training steps that benchmark.py times: cai through the Booster, and the peers of BENCHMARKS.md
-(plain PyTorch eager with fused AdamW, torch.compile, FSDP2 at world size 1) on the same model and batch.
+(plain PyTorch eager with fused AdamW, torch.compile, FSDP2 at world size 1) on the same model and batch, each
+optionally with Liger-Kernel's Llama kernels.
 
 Each builder returns a ``Workload``: a zero-argument ``step()`` that runs one full training step (forward,
 backward, optimizer step, zero grad) and a ``close()`` that drops every reference so the next workload starts
@@ -9,7 +10,8 @@ from free memory.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,41 @@ def build_model(config, device: torch.device, *, grad_ckpt: bool | str) -> Llama
     return model
 
 
+@contextmanager
+def restoring_llama_module() -> Iterator[None]:
+    """Put back every name of transformers' Llama modeling module, and ``LlamaForCausalLM.forward``, on exit."""
+    from transformers.models.llama import modeling_llama
+
+    names = dict(vars(modeling_llama))
+    forward = vars(modeling_llama.LlamaForCausalLM)["forward"]
+    try:
+        yield
+    finally:
+        for name in vars(modeling_llama).keys() - names.keys():
+            delattr(modeling_llama, name)
+        vars(modeling_llama).update(names)
+        modeling_llama.LlamaForCausalLM.forward = forward
+
+
+def _apply_liger(model: LlamaForCausalLM) -> None:
+    """Liger-Kernel's RoPE, RMSNorm and SwiGLU kernels, and its fused linear cross-entropy: in training mode the
+    forward computes the loss from ``labels=`` chunk by chunk and never materialises the logits. The RoPE patch
+    replaces a function of transformers' Llama module for the whole process: run under ``restoring_llama_module``."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError as exc:
+        raise ImportError(f"liger-kernel missing (pip install liger-kernel): {exc}") from exc
+
+    apply_liger_kernel_to_llama(
+        rope=True,
+        rms_norm=True,
+        swiglu=True,
+        cross_entropy=False,
+        fused_linear_cross_entropy=True,
+        model=model,
+    )
+
+
 def release() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -58,12 +95,22 @@ def _autocast(device: torch.device, precision: str):
 
 
 def eager(
-    config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, compile: bool = False, pure: bool = False
+    config,
+    batch: torch.Tensor,
+    *,
+    precision: str,
+    grad_ckpt: bool,
+    compile: bool = False,
+    pure: bool = False,
+    liger: bool = False,
 ) -> Workload:
     """Plain PyTorch with fused AdamW: fp32 master weights and ``torch.autocast`` compute in ``precision``, or with
-    ``pure`` the parameters themselves in ``precision`` (no master copy: less memory, less exact)."""
+    ``pure`` the parameters themselves in ``precision`` (no master copy: less memory, less exact). ``liger``:
+    Liger-Kernel's Llama kernels, before ``torch.compile``."""
     device = batch.device
     model = build_model(config, device, grad_ckpt=grad_ckpt)
+    if liger:
+        _apply_liger(model)
     if pure:
         model.to(_DTYPES[precision])
     optimizer = _adamw(model.parameters(), device)
@@ -83,7 +130,7 @@ def eager(
             torch._dynamo.reset()
         release()
 
-    label = "torch.compile" if compile else "PyTorch eager"
+    label = ("torch.compile" if compile else "PyTorch eager") + (" + Liger" if liger else "")
     if precision == "fp32":
         mode = "fp32"
     elif pure:
@@ -93,12 +140,18 @@ def eager(
     return Workload(name=f"{label} ({mode}, AdamW)", step=step, close=close)
 
 
-def fsdp2(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, cpu_offload: bool) -> Workload:
-    """FSDP2 ``fully_shard`` per decoder layer and at the root: ``precision`` compute, fp32 master and reduce."""
+def fsdp2(
+    config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, cpu_offload: bool, liger: bool = False
+) -> Workload:
+    """FSDP2 ``fully_shard`` per decoder layer and at the root: ``precision`` compute, fp32 master and reduce.
+    ``liger``: Liger-Kernel's Llama kernels, applied before sharding (the root's forward computes the fused loss
+    while the root unit, lm_head included, is unsharded)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     device = batch.device
     model = build_model(config, device, grad_ckpt=grad_ckpt)
+    if liger:
+        _apply_liger(model)
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
@@ -121,9 +174,8 @@ def fsdp2(config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, cpu_o
 
     offload = ", CPUOffloadPolicy" if cpu_offload else ""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return Workload(
-        name=f"FSDP2 world {world} ({precision} compute, fp32 master{offload})", step=step, close=close
-    )
+    name = f"FSDP2 world {world}{' + Liger' if liger else ''} ({precision} compute, fp32 master{offload})"
+    return Workload(name=name, step=step, close=close)
 
 
 def cai(

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Training throughput of a Llama through cai's Booster, with Colossal-AI's benchmark flags, optionally against
-plain PyTorch eager, torch.compile and FSDP2 in the same process (``--compare``).
+plain PyTorch eager, torch.compile and FSDP2 in the same process (``--compare``), each also with Liger-Kernel.
 
 Prints one markdown table: tokens/s per GPU, MFU (6N + 12 L h s over 989 TFLOP/s), Colossal-AI's two TFLOPS
 figures (Megatron-style with recomputation, and 2 (3 + ckpt) N per token), peak memory, and the ratio of each
@@ -10,17 +10,24 @@ Examples::
 
     python examples/benchmarks/benchmark.py -c 1b -p zero2 -b 8 -l 2048 --compare           # one H200
     torchrun --nproc_per_node 8 examples/benchmarks/benchmark.py -c 8b -p zero2 -b 2 -g --compare --peers fsdp2
+    python examples/benchmarks/benchmark.py -c 1b -b 8 -l 2048 -s 10 -i 3 -p zero2 --compare \
+        --peers fsdp2,fsdp2-liger,compile,compile-liger                                      # fair peers
     python examples/benchmarks/benchmark.py -c tiny -b 2 -l 64 -s 3 -i 1 --compare         # CPU smoke
     torchrun --nproc_per_node 8 examples/benchmarks/benchmark.py -c 8b -p hybrid --tp 2 --pp 2 -b 8 -g
 
 Random weights, random tokens (never all zeros), labels = inputs. ``-b`` is the batch per data-parallel replica:
 per GPU for the data-parallel plugins; with ``-p hybrid`` the tp x pp x sp ranks of one replica share it (as
 Colossal-AI's benchmark counts it), and tokens/s per GPU is ``b x l x dp / world`` over the step time.
+
+The ``-liger`` peers (``eager-liger``, ``compile-liger``, ``fsdp2-liger``) are the same peers with Liger-Kernel's
+Llama kernels (RoPE, RMSNorm, SwiGLU and the fused linear cross-entropy, through the model's forward with
+``labels=``); they need ``pip install liger-kernel``, and without it their rows say so.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,7 +46,9 @@ from _models import PRESETS, preset_config
 from _perf import PEAK_FLOPS, ModelShape, Throughput, peak_memory_gib
 from _plugins import PLUGINS, SP_MODES, HybridLayout, PluginChoice
 
-PEERS = ("eager", "compile", "fsdp2", "eager-pure")  # eager-pure: parameters in bf16, no fp32 master (opt-in)
+# eager-pure: parameters in bf16, no fp32 master (opt-in); -liger: with Liger-Kernel's Llama kernels (opt-in)
+PEERS = ("eager", "compile", "fsdp2", "eager-pure", "eager-liger", "compile-liger", "fsdp2-liger")
+SHARDED_PEERS = ("fsdp2", "fsdp2-liger")  # run on every rank; the others at world size 1 only
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,10 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="also time the peers (FSDP2 on every rank; the others at world 1)",
+        help="also time the peers (FSDP2 with or without Liger on every rank; the others at world 1)",
     )
     p.add_argument(
-        "--peers", default="eager,compile,fsdp2", help=f"which peers --compare runs (from {','.join(PEERS)})"
+        "--peers",
+        default="eager,compile,fsdp2",
+        help=f"which peers --compare runs (from {','.join(PEERS)}; the -liger ones need pip install liger-kernel)",
     )
     p.add_argument("--no-cai", action="store_true", help="time the peers only")
     p.add_argument("--peak-tflops", type=float, default=PEAK_FLOPS / 1e12, help="MFU denominator per GPU")
@@ -323,10 +334,10 @@ def main(args: argparse.Namespace) -> None:
     peer_rows: list[Row] = []
     peers = list(args.peers) if args.compare else []
     if world > 1:  # eager and torch.compile are one-process baselines; FSDP2 shards over every rank
-        single = [p for p in peers if p != "fsdp2"]
+        single = [p for p in peers if p not in SHARDED_PEERS]
         if single and rank == 0:
             print(f"--compare on {world} processes: {', '.join(single)} run at world size 1 only, skipped")
-        peers = [p for p in peers if p == "fsdp2"]
+        peers = [p for p in peers if p in SHARDED_PEERS]
     if peers:
         kw = dict(precision=precision, grad_ckpt=args.grad_checkpoint)
         builders = {
@@ -336,13 +347,22 @@ def main(args: argparse.Namespace) -> None:
             # Gemini's partial --offload-*-frac
             "fsdp2": lambda: _workloads.fsdp2(config, batch, cpu_offload=args.cpu_offload, **kw),
             "eager-pure": lambda: _workloads.eager(config, batch, pure=True, **kw),
+            "eager-liger": lambda: _workloads.eager(config, batch, liger=True, **kw),
+            "compile-liger": lambda: _workloads.eager(config, batch, compile=True, liger=True, **kw),
+            "fsdp2-liger": lambda: _workloads.fsdp2(
+                config, batch, cpu_offload=args.cpu_offload, liger=True, **kw
+            ),
         }
         for peer in peers:
-            peer_rows.append(
-                measure(
+            # Liger patches transformers' Llama module for the whole process: undo it before the next row is built.
+            scope = (
+                _workloads.restoring_llama_module() if peer.endswith("-liger") else contextlib.nullcontext()
+            )
+            with scope:
+                row = measure(
                     builders[peer], args=args, shape=shape, device=device, label=peer, tokens_per_gpu=tokens
                 )
-            )
+            peer_rows.append(row)
     rows = list(peer_rows)
     for choice in [] if args.no_cai else choices:
         build = lambda choice=choice: _workloads.cai(  # noqa: E731
