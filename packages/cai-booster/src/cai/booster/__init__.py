@@ -1,5 +1,6 @@
 """cai-booster: the Booster facade and plugins (TorchDDP, TorchFSDP, LowLevelZero, Gemini), mixed precision,
-lazy initialisation, resumable distributed data loading, LoRA and activation checkpointing."""
+lazy initialisation, resumable distributed data loading, LoRA, activation checkpointing, and the planner (``plan``,
+``cai plan``, ``Booster(plugin="auto")``)."""
 
 from importlib.metadata import version as _version
 
@@ -7,6 +8,7 @@ from cai.booster._booster import Booster
 from cai.booster._checkpointing import activation_checkpointing
 from cai.booster._dataloader import ResumableDataLoader, StatefulDistributedSampler, prepare_dataloader
 from cai.booster._lazy import LazyInitContext, set_pretrained_path
+from cai.booster._plan import Hardware, ModelSpec, Plan, calibrate, plan
 from cai.booster._precision import (
     DynamicLossScaler,
     LossScalerConfig,
@@ -20,16 +22,21 @@ __version__ = _version("cai-booster")
 __all__ = [
     "Booster",
     "DynamicLossScaler",
+    "Hardware",
     "LazyInitContext",
     "LossScalerConfig",
     "MixedPrecision",
+    "ModelSpec",
     "ModelWrapper",
     "OptimizerWrapper",
+    "Plan",
     "ResumableDataLoader",
     "StatefulDistributedSampler",
     "__version__",
     "activation_checkpointing",
+    "calibrate",
     "mixed_precision_factory",
+    "plan",
     "prepare_dataloader",
     "set_pretrained_path",
 ]

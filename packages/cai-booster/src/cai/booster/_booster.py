@@ -18,7 +18,7 @@ from cai.booster._lazy import is_lazy, pretrained_path
 from cai.booster._precision import MixedPrecision, mixed_precision_factory
 from cai.booster._state import LoadView
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
-from cai.booster.plugin import PLUGINS, BoostContext, Plugin, TorchDDPPlugin
+from cai.booster.plugin import PLUGINS, AutoPlugin, BoostContext, Plugin, TorchDDPPlugin
 
 __all__ = ["Booster"]
 
@@ -35,7 +35,8 @@ class Booster:
     """Turn a model, optimizer and data loader into their distributed versions under one plugin.
 
     Args:
-        plugin: the parallel strategy (default: ``TorchDDPPlugin()``, which is plain training in one process).
+        plugin: the parallel strategy (default: ``TorchDDPPlugin()``, which is plain training in one process), or
+            ``"auto"`` (``AutoPlugin()``): the planner's fastest configuration that fits, chosen at ``boost()``.
         mixed_precision: ``"fp32"``, ``"fp16"``, ``"bf16"`` or a ``MixedPrecision``, for plugins that do not control
             precision (TorchDDPPlugin); plugins that do take ``precision=`` themselves, and giving both raises.
         device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available); must be among the plugin's devices.
@@ -59,8 +60,10 @@ class Booster:
         self,
         device: str | torch.device | None = None,
         mixed_precision: str | MixedPrecision | None = None,
-        plugin: Plugin | None = None,
+        plugin: Plugin | str | None = None,
     ) -> None:
+        if plugin == "auto":
+            plugin = AutoPlugin()
         if plugin is not None and not isinstance(plugin, Plugin):
             raise TypeError(
                 f"Booster: plugin must be a cai.booster.plugin.Plugin, got {type(plugin).__name__}"
@@ -123,6 +126,12 @@ class Booster:
                 "model to boost it again)"
             )
         _check_optimizer(model, optimizer)
+        if isinstance(self.plugin, AutoPlugin):
+            # the chosen plugin takes over every later call (no_sync, checkpoints); DDP takes its precision here
+            auto = self.plugin
+            self.plugin = auto.resolve(model, optimizer, dataloader, self.device)
+            if not self.plugin.capabilities.control_precision:
+                self.mixed_precision = mixed_precision_factory(auto.precision)
         ctx = BoostContext(
             device=self.device,
             mixed_precision=self.mixed_precision,

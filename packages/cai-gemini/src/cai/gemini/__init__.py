@@ -11,7 +11,16 @@ from cai.gemini._config import ChunkConfig, GeminiConfig, LossScaleConfig
 from cai.gemini._memory import CudaMemoryTracker, MemoryTracker
 from cai.gemini._model import GeminiModel
 from cai.gemini._optim import GeminiOptimizer
-from cai.gemini._planner import MemoryPlan, PlanRow, TransformerShape, plan
+from cai.gemini._planner import (
+    ChunkLayout,
+    MemoryPlan,
+    PlanRow,
+    TransformerShape,
+    activation_bytes,
+    estimate,
+    host_peak,
+    plan,
+)
 from cai.gemini._search import ChunkSearchResult, search_chunk_size
 
 GeminiDDP = GeminiModel  # Colossal-AI's name
@@ -20,6 +29,7 @@ __version__ = _version("cai-gemini")
 
 __all__ = [
     "ChunkConfig",
+    "ChunkLayout",
     "ChunkSearchResult",
     "CudaMemoryTracker",
     "GeminiConfig",
@@ -32,6 +42,9 @@ __all__ = [
     "PlanRow",
     "TransformerShape",
     "__version__",
+    "activation_bytes",
+    "estimate",
+    "host_peak",
     "plan",
     "search_chunk_size",
     "shard",

@@ -25,7 +25,16 @@ import torch.nn as nn
 from cai.gemini._config import ChunkConfig, GeminiConfig
 from cai.gemini._search import default_interval, pack, search_chunk_size
 
-__all__ = ["MemoryPlan", "PlanRow", "TransformerShape", "plan"]
+__all__ = [
+    "ChunkLayout",
+    "MemoryPlan",
+    "PlanRow",
+    "TransformerShape",
+    "activation_bytes",
+    "estimate",
+    "host_peak",
+    "plan",
+]
 
 GiB = 1024**3
 _WORKSPACE = 768 * 1024**2  # cuBLAS / attention workspaces and allocator slack on the device
@@ -109,17 +118,128 @@ PLACEMENTS: dict[str, dict] = {
 }
 
 
-def _activations(s: TransformerShape, batch: int, seq: int, ckpt: bool, wbytes: int) -> dict[str, int]:
+def activation_bytes(
+    s: TransformerShape,
+    batch: int,
+    seq: int,
+    *,
+    recompute: str = "full",
+    wbytes: int = 2,
+    fused_loss: bool = False,
+) -> dict[str, int]:
+    """Activation memory of one micro-batch of a decoder-only transformer, per rank.
+
+    Returns ``saved`` (held from forward into backward), ``loss`` (the loss's tensors at the start of backward) and
+    ``layer`` (one layer's tensors while backward recomputes it).
+
+    Args:
+        recompute: ``"full"`` (each layer keeps only its input and runs again in backward), ``"selective"`` (keeps
+            the matmul and attention outputs, recomputes the elementwise ops: ``cai.booster.activation_checkpointing``)
+            or ``"none"``.
+        fused_loss: the output head and cross-entropy fused in token chunks (cai-kernels' ``patch_hf_model``): no
+            full logits; the head's weight gradient and the hidden states' gradient instead.
+    """
     tokens = batch * seq
     kv = s.hidden * s.kv_heads // s.heads
     # tensors a decoder layer saves for backward, per token (flash attention: no score matrix)
     per_layer = tokens * (wbytes * (6 * s.hidden + 2 * kv + 4 * s.ffn) + 4 * 4)
-    # at the start of backward: the working-precision logits, their fp32 copy and log-softmax, and the logits'
-    # gradient (these dominate with large vocabularies)
-    loss = tokens * s.vocab * (2 * wbytes + 8)
-    if ckpt:
+    if fused_loss:
+        # the head's gradient and the hidden states' gradient, formed in forward, and one chunk of logits
+        loss = s.vocab * s.hidden * wbytes + tokens * s.hidden * wbytes + 160 * 2**20
+    else:
+        # the working-precision logits, their fp32 copy and log-softmax, and the logits' gradient (these dominate
+        # with large vocabularies)
+        loss = tokens * s.vocab * (2 * wbytes + 8)
+    if recompute == "full":
         return {"saved": s.layers * tokens * s.hidden * wbytes, "loss": loss, "layer": 2 * per_layer}
-    return {"saved": s.layers * per_layer, "loss": loss, "layer": 0}
+    if recompute == "selective":
+        # kept per token: the layer input, q, k, v, the attention output, the o, gate, up and down projections
+        kept = tokens * (wbytes * (5 * s.hidden + 2 * kv + 2 * s.ffn) + 4 * 4)
+        return {"saved": s.layers * kept, "loss": loss, "layer": per_layer - kept}
+    if recompute == "none":
+        return {"saved": s.layers * per_layer, "loss": loss, "layer": 0}
+    raise ValueError(f"activation_bytes: recompute={recompute!r}; use 'full', 'selective' or 'none'")
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Chunk elements per rank group: ``chunk_size``, padded elements of the trainable chunks (``trained``) and of
+    all chunks (``padded``), and the parameters' own elements (``total``)."""
+
+    chunk_size: int
+    trained: int
+    padded: int
+    total: int
+
+    @classmethod
+    def of(
+        cls, numels: list[int], trainable: list[bool], *, world_size: int, chunk: ChunkConfig
+    ) -> ChunkLayout:
+        """The layout the chunk manager would build for parameters of these sizes."""
+        if chunk.chunk_size:
+            csize = -(-chunk.chunk_size // world_size) * world_size
+        else:
+            csize = search_chunk_size(
+                numels,
+                search_range_m=chunk.search_range_m,
+                search_interval=default_interval(chunk.hidden_dim, chunk.search_interval),
+                min_chunk_size_m=chunk.min_chunk_size_m,
+                filter_exlarge_params=chunk.filter_exlarge_params,
+                world_size=world_size,
+            ).chunk_size
+        # the same packing as the chunk manager: trainable and frozen parameters in separate chunks
+        trained = _padded([n for n, t in zip(numels, trainable) if t], csize, world_size)
+        frozen = _padded([n for n, t in zip(numels, trainable) if not t], csize, world_size)
+        return cls(chunk_size=csize, trained=trained, padded=trained + frozen, total=sum(numels))
+
+
+def estimate(
+    layout: ChunkLayout,
+    act: dict[str, int],
+    *,
+    world_size: int,
+    wbytes: int,
+    offload_optim_frac: float = 0.0,
+    offload_param_frac: float = 0.0,
+    max_prefetch: int = 0,
+    built_on_host_bytes: int = 0,
+    workspace_bytes: int = _WORKSPACE,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Per-rank device and host bytes of one placement, by part (see [Note: planner model]); the device peak is
+    the sum of the first dict, the host peak the larger of the second's ``steady`` sum and its ``build`` entry.
+
+    ``act`` is ``activation_bytes(...)``; ``built_on_host_bytes`` the model as built on the host before chunks
+    take over (0 for a model built on the device or the meta device).
+    """
+    w, fo, fp = world_size, offload_optim_frac, offload_param_frac
+    keep_all = w == 1 and not fp
+    shards = wbytes * layout.padded if keep_all else wbytes * layout.padded // w
+    # one micro-batch's gradient in the working precision: on the device as reduced; on the host in the transfer
+    # buffer that also carries the parameters up
+    grads_dev = int((1 - fo) * wbytes * layout.trained // w)
+    dev = {
+        "saved activations": act["saved"],
+        "workspace": workspace_bytes,
+        # the loss's tensors are gone before backward has produced many gradients: the larger one counts
+        "loss or gradients": max(act["loss"], grads_dev + act["layer"]),
+        "gathered chunks": 0 if keep_all else (2 + max_prefetch) * layout.chunk_size * wbytes,
+        "gradient buffers": 2 * layout.chunk_size * wbytes,
+        "parameter shards": int((1 - fp) * shards),
+        "master+adam": int((1 - fo) * 12 * layout.trained // w),
+    }
+    host = {
+        "process": _HOST_BASE,
+        "parameter shards": int(fp * shards),
+        "master+adam+transfer": int(fo * (12 + wbytes) * layout.trained // w),
+        # the model as built, and the fp32 staging of one chunk while chunks are filled
+        "build": _HOST_BASE + built_on_host_bytes + 4 * layout.chunk_size,
+    }
+    return dev, host
+
+
+def host_peak(host: dict[str, int]) -> int:
+    """The host peak of ``estimate``'s host dict: steady state or the model as built, whichever is larger."""
+    return max(sum(v for k, v in host.items() if k != "build"), host["build"])
 
 
 def plan(
@@ -167,63 +287,26 @@ def plan(
     wbytes = {"bf16": 2, "fp16": 2, "fp32": 4}[precision]
     params = _unique_params(model)
     chunk = chunk or ChunkConfig(hidden_dim=shape.hidden)
-    numels = [p.numel() for p in params]
-    if chunk.chunk_size:
-        csize = -(-chunk.chunk_size // world_size) * world_size
-    else:
-        csize = search_chunk_size(
-            numels,
-            search_range_m=chunk.search_range_m,
-            search_interval=default_interval(chunk.hidden_dim, chunk.search_interval),
-            min_chunk_size_m=chunk.min_chunk_size_m,
-            filter_exlarge_params=chunk.filter_exlarge_params,
-            world_size=world_size,
-        ).chunk_size
-    # the same packing as the chunk manager: trainable and frozen parameters in separate chunks
-    trained = _padded([n for n, p in zip(numels, params) if p.requires_grad], csize, world_size)
-    padded = trained + _padded([n for n, p in zip(numels, params) if not p.requires_grad], csize, world_size)
-    total = sum(numels)
+    layout = ChunkLayout.of(
+        [p.numel() for p in params], [p.requires_grad for p in params], world_size=world_size, chunk=chunk
+    )
     built_on_host = any(p.device.type == "cpu" for p in params)
-    act = _activations(shape, batch_size, seq_len, activation_checkpointing, wbytes)
+    recompute = "full" if activation_checkpointing else "none"
+    act = activation_bytes(shape, batch_size, seq_len, recompute=recompute, wbytes=wbytes)
     rows = []
     for name, kw in PLACEMENTS.items():
-        c = replace(cfg, chunk=chunk, **kw)
-        w = world_size
-        keep_all = w == 1 and not kw.get("offload_param_frac")
-        params = wbytes * padded if keep_all else wbytes * padded // w
-        # fp32 master and two moments; one micro-batch's gradient in the working precision (on the device as
-        # reduced; on the host in the transfer buffer that also carries the parameters up)
-        optim_host = (12 + wbytes) * trained // w
-        grads_dev = 0 if kw.get("offload_optim_frac") else wbytes * trained // w
-        in_flight = 0 if keep_all else (2 + max_prefetch) * csize * wbytes
-        grad_buffers = 2 * csize * wbytes
-        dev = {
-            "saved activations": act["saved"],
-            "workspace": _WORKSPACE,
-            # the loss's tensors are gone before backward has produced many gradients: the larger one counts
-            "loss or gradients": max(act["loss"], grads_dev + act["layer"]),
-            "gathered chunks": in_flight,
-            "gradient buffers": grad_buffers,
-        }
-        host = {"process": _HOST_BASE}
-        (host if kw.get("offload_param_frac") else dev)["parameter shards"] = params
-        if kw.get("offload_optim_frac"):
-            host["master+adam+transfer"] = optim_host
-        else:
-            dev["master+adam"] = 12 * trained // w
-        dev_total = sum(dev.values())
-        steady_host = sum(host.values())
-        # the model as built (when on the host), and the fp32 staging of one chunk while chunks are filled
-        build_host = _HOST_BASE + (init_dtype_bytes * total if built_on_host else 0) + 4 * csize
-        host_total = max(steady_host, build_host)
+        dev, host = estimate(
+            layout, act, world_size=world_size, wbytes=wbytes, max_prefetch=max_prefetch,
+            built_on_host_bytes=init_dtype_bytes * layout.total if built_on_host else 0, **kw,
+        )  # fmt: skip
+        dev_total, host_total = sum(dev.values()), host_peak(host)
         fits = dev_total <= gpu_budget_bytes and (
             host_budget_bytes is None or host_total <= host_budget_bytes
         )
-        rows.append(
-            PlanRow(
-                name, c, dev_total, host_total, fits, {**dev, **{f"host {k}": v for k, v in host.items()}}
-            )
-        )
+        breakdown = {k: v for k, v in dev.items() if v} | {
+            f"host {k}": v for k, v in host.items() if v and k != "build"
+        }
+        rows.append(PlanRow(name, replace(cfg, chunk=chunk, **kw), dev_total, host_total, fits, breakdown))
     recommended = next((r for r in rows if r.fits), None)
     advice = (
         f"recommended: {recommended.name}"

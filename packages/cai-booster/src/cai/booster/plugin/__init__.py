@@ -1,5 +1,6 @@
 """Plugins: one parallel strategy each, composed from the cai packages' functions and typed configs."""
 
+from cai.booster.plugin._auto import AutoPlugin
 from cai.booster.plugin._base import BoostContext, Capabilities, DPPluginBase, Plugin
 from cai.booster.plugin._gemini import GeminiPlugin
 from cai.booster.plugin._hybrid import HybridParallelConfig, HybridParallelPlugin, PipelineConfig
@@ -19,6 +20,7 @@ PLUGINS: tuple[type[Plugin], ...] = (
 
 __all__ = [
     "PLUGINS",
+    "AutoPlugin",
     "BoostContext",
     "Capabilities",
     "DDPConfig",

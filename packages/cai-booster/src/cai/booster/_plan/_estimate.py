@@ -1,0 +1,180 @@
+"""Predicted per-rank GPU and host peaks and step time of one candidate.
+
+[Note: plugin memory]
+Bytes a parameter, per rank, with working precision b (2 for bf16), Adam, w data-parallel ranks:
+  ddp     fp32 weights 4, fp32 gradients 4 (+4 of DDP buckets when w > 1), Adam 8; autocast keeps a b-byte copy
+          of each weight for backward (without recomputation).
+  fsdp    fp32 shards 4/w, fp32 gradient shards 4/w, Adam 8/w; the root (embeddings, head) stays gathered in b,
+          two decoder layers are gathered at a time, and an unsharded gradient of one layer in fp32.
+  zero    working weights b, fp32 master and Adam 12/w, one reduced gradient shard b/w; with offload the
+          master, Adam and an fp32 gradient shard live on the host (16/w) with a b-byte staging buffer.
+  gemini  cai-gemini's own estimate (``cai.gemini.estimate``) for the placement's fractions.
+  hybrid  zero-1 over dp for each rank's 1/(tp x pp) of the model.
+Accumulating k > 1 micro-batches runs the earlier ones under ``no_sync``: zero keeps full local gradient buckets
+(b a parameter), gemini an fp32 accumulator for every chunk (4), ddp and fsdp accumulate in their fp32 gradients.
+Activations come from ``cai.gemini.activation_bytes`` (tensor parallelism divides them by tp; the first pipeline
+stage holds pp micro-batches of its L/pp layers in 1F1B, one micro-batch of all layers). The host peak adds the
+process itself (``_HOST_BASE``); models are assumed built lazily (``LazyInitContext``) or on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cai.booster._plan._candidate import Candidate
+from cai.booster._plan._cost import step_seconds
+from cai.booster._plan._hardware import Hardware
+from cai.booster._plan._spec import ModelSpec
+from cai.gemini import ChunkConfig, ChunkLayout, activation_bytes, estimate, host_peak
+
+__all__ = ["Estimate", "estimate_candidate"]
+
+_WORKSPACE_GPU = 768 * 2**20  # cuBLAS / attention workspaces and allocator slack (as cai-gemini's planner)
+_HOST_BASE = 3 * 2**30  # the process: torch, the CUDA context, libraries (as cai-gemini's planner)
+_BUCKETS = 2 * 25 * 2**20  # reduction buckets in flight
+_OPT_BYTES = 28  # bytes a device Adam step moves per parameter (fp32 master, moments, gradient, working copy)
+_OVERLAP = 0.9  # share of backward that communication and the host step can hide behind
+
+
+@dataclass(frozen=True)
+class Estimate:
+    gpu_bytes: int
+    host_bytes: int
+    step_s: float
+    gpu_parts: dict[str, int]
+    host_parts: dict[str, int]
+    time_parts: dict[str, float]
+
+
+def estimate_candidate(
+    c: Candidate,
+    spec: ModelSpec,
+    hw: Hardware,
+    *,
+    seq: int,
+    dp: int,
+    precision: str = "bf16",
+    kernels: bool = True,
+    device: str = "cuda",
+) -> Estimate:
+    """Memory and time of ``c`` for ``spec`` at ``dp`` data-parallel ranks (see [Note: plugin memory])."""
+    wb = {"bf16": 2, "fp16": 2, "fp32": 4}[precision]
+    gpu = device == "cuda"
+    shard = c.tp * c.pp  # ranks one replica's model is cut over
+    P = spec.params / shard
+    act = activation_bytes(
+        spec.shape, c.micro_batch, seq, recompute=c.recompute, wbytes=wb, fused_loss=kernels
+    )
+    if (
+        shard > 1
+    ):  # per layer work and the vocabulary split over tp; a pp stage holds pp micro-batches of L/pp
+        act = {k: int(v / c.tp) for k, v in act.items()}
+    k = c.accumulation
+    parts: dict[str, float] = {"saved activations": act["saved"], "workspace": _WORKSPACE_GPU if gpu else 0}
+    host: dict[str, float] = {"process": _HOST_BASE if gpu else 0}
+    grads = 0.0  # gradient bytes alive at the end of backward, counted against the loss's tensors
+    if c.plugin == "ddp":
+        parts["fp32 weights+adam"] = 12 * P
+        grads = 4 * P + (4 * P if dp > 1 else 0)
+        if c.recompute == "none" and wb == 2:
+            parts["autocast weight copies"] = wb * (spec.matmul_params / shard)
+    elif c.plugin == "fsdp":
+        s = spec.shape
+        layer = (spec.params - 2 * s.vocab * s.hidden) / s.layers
+        parts["fp32 shards+adam"] = 12 * P / dp
+        parts["gathered root and layers"] = wb * (2 * s.vocab * s.hidden + 2 * layer)
+        grads = 4 * P / dp + 4 * layer
+    elif c.plugin in ("zero1", "zero2", "hybrid"):
+        parts["working weights"] = wb * P
+        if c.offload:
+            host["master+adam+grad"] = 16 * P / dp
+            host["staging"] = wb * P / dp
+            grads = _BUCKETS
+        else:
+            parts["master+adam"] = 12 * P / dp
+            grads = wb * P / dp + _BUCKETS
+        if k > 1:
+            parts["no_sync buckets"] = wb * P
+    else:  # gemini
+        layout = ChunkLayout.of(
+            list(spec.numels),
+            [True] * len(spec.numels),
+            world_size=dp,
+            chunk=ChunkConfig(hidden_dim=spec.shape.hidden),
+        )
+        dev, hst = estimate(
+            layout, act, world_size=dp, wbytes=wb, offload_optim_frac=c.offload_optim_frac,
+            offload_param_frac=c.offload_param_frac, max_prefetch=2 if c.offload_param_frac else 0,
+            workspace_bytes=parts["workspace"],
+        )  # fmt: skip
+        parts = dict(dev)
+        if k > 1:
+            parts["no_sync accumulator"] = 4 * layout.trained
+        host = {**hst, "process": hst["process"] if gpu else 0}
+        host["build"] = host["process"] + 4 * layout.chunk_size
+    if c.plugin != "gemini":
+        parts["loss or gradients"] = max(act["loss"], grads + act["layer"])
+    gpu_bytes = int(sum(parts.values()))
+    host_bytes = int(host_peak(host) if "build" in host else sum(host.values()))
+    host_parts = {k_: int(v) for k_, v in host.items() if k_ != "build" and v}
+    times = _time(c, spec, hw, seq=seq, dp=dp, wb=wb, kernels=kernels)
+    return Estimate(gpu_bytes, host_bytes, sum(times.values()),
+                    {k_: int(v) for k_, v in parts.items() if v}, host_parts, times)  # fmt: skip
+
+
+def _time(c: Candidate, spec: ModelSpec, hw: Hardware, *, seq: int, dp: int, wb: int, kernels: bool) -> dict:
+    k, shard = c.accumulation, c.tp * c.pp
+    P = spec.params / shard
+    tokens = c.micro_batch * seq
+    mb = step_seconds(
+        spec, hw, tokens=tokens, seq=seq, wbytes=wb, recompute=c.recompute, kernels=kernels, tp=c.tp
+    )
+    mb /= c.pp
+    backward = mb * (0.75 if c.recompute == "full" else 2 / 3)
+    bw = hw.comm_gbs * 1e9
+    pcie = hw.pcie_gbs * 1e9
+    t: dict[str, float] = {"compute": k * mb}
+    # memory-bound weight traffic around the matmuls, per micro-batch: DDP's autocast reads fp32 weights and writes
+    # bf16 copies every forward and folds bf16 gradients into fp32 ones; FSDP2 also casts into its gather buffers
+    # (forward and backward) and gradients into fp32 for its reduce-scatter
+    traffic = {"ddp": 16 if wb == 2 else 8, "fsdp": 26 if wb == 2 else 16}.get(c.plugin, 0)
+    if traffic:
+        t["weight casts"] = k * traffic * P / (0.6 * hw.copy_gbs * 1e9)
+    if c.pp > 1:  # 1F1B: (pp - 1) micro-batch slots idle out of k + pp - 1
+        t["pipeline bubble"] = (c.pp - 1) * mb
+    if (
+        c.tp > 1
+    ):  # two all-reduces of the activations forward and two backward per layer (sequence parallel: the
+        # same bytes as all-gather + reduce-scatter), not overlapped
+        per_layer = 4 * tokens * spec.shape.hidden * wb * 2 * (c.tp - 1) / c.tp
+        t["tensor-parallel comm"] = k * spec.shape.layers / c.pp * per_layer / bw
+    # data-parallel communication, once per step (no_sync before the last micro-batch) except FSDP's gathers
+    ring = (dp - 1) / dp if dp > 1 else 0.0
+    comm = 0.0
+    if c.plugin == "ddp":
+        comm = 2 * ring * 4 * P / bw
+    elif c.plugin in ("zero1", "zero2", "hybrid"):
+        comm = (
+            2 if c.plugin != "zero2" else 1
+        ) * ring * wb * P / bw + ring * wb * P / bw  # reduce + all-gather
+    elif c.plugin == "fsdp":
+        gathers = 3 if c.recompute == "full" else 2
+        comm = k * (gathers * ring * wb * P + ring * 4 * P) / bw
+    elif c.plugin == "gemini":
+        gathers = 3 if c.recompute == "full" else 2
+        comm = (k * gathers * ring * wb * P + ring * wb * P) / bw
+    if comm:
+        t["data-parallel comm (exposed)"] = max(0.1 * comm, comm - _OVERLAP * backward)
+    if c.plugin == "gemini" and c.offload_param_frac:
+        passes = 3 if c.recompute == "full" else 2
+        io = k * passes * c.offload_param_frac * wb * P / pcie
+        t["parameter uploads (exposed)"] = max(0.1 * io, io - k * mb)
+    on_host = c.host_params_frac * P / dp
+    on_device = P / dp - on_host
+    t["device optimizer"] = _OPT_BYTES * on_device / (0.6 * hw.copy_gbs * 1e9)
+    if on_host:
+        # the host Adam and the gradient/parameter copies run concurrently, chunk by chunk; the overlapped step
+        # starts each chunk as its gradient arrives during the last backward
+        host = max(on_host / hw.host_adam_params_per_s, 2 * wb * on_host / pcie)
+        t["host optimizer (exposed)"] = max(0.05 * host, host - _OVERLAP * backward)
+    return t

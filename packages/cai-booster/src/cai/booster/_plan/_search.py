@@ -1,0 +1,310 @@
+"""``plan()``: every configuration the model can train with on the given machine and budgets, priced in memory and
+time, the fastest one that fits first."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+
+from cai.booster._plan._candidate import Candidate
+from cai.booster._plan._estimate import Estimate, estimate_candidate
+from cai.booster._plan._hardware import Hardware
+from cai.booster._plan._spec import ModelSpec
+
+__all__ = ["Plan", "PlanRow", "plan"]
+
+GiB = 1024**3
+RECOMPUTE = ("none", "selective", "full")
+GEMINI_OPTIM_FRACS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One configuration with its predictions: per-rank peaks, step time, tokens/s per GPU and whether it fits."""
+
+    candidate: Candidate
+    plugin: str  # the plugin as code
+    gpu_bytes: int
+    host_bytes: int
+    step_s: float
+    tokens_per_s: float  # per GPU
+    mfu: float | None
+    fits: bool
+    estimate: Estimate = field(repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.candidate.label,
+            "candidate": asdict(self.candidate),
+            "plugin": self.plugin,
+            "gpu_gib": round(self.gpu_bytes / GiB, 3),
+            "host_gib": round(self.host_bytes / GiB, 3),
+            "step_s": round(self.step_s, 5),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "mfu": None if self.mfu is None else round(self.mfu, 4),
+            "fits": self.fits,
+            "gpu_parts_gib": {k: round(v / GiB, 3) for k, v in self.estimate.gpu_parts.items()},
+            "host_parts_gib": {k: round(v / GiB, 3) for k, v in self.estimate.host_parts.items()},
+            "time_parts_s": {k: round(v, 5) for k, v in self.estimate.time_parts.items()},
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every priced configuration, feasible ones first, fastest first. ``best`` is the first (None if nothing fits);
+    ``str(plan)`` is a table of the leading rows."""
+
+    model: ModelSpec
+    hardware: Hardware
+    rows: list[PlanRow]
+    gpus: int
+    seq_len: int
+    global_batch: int
+    precision: str
+    gpu_budget_bytes: int
+    host_budget_bytes: int
+
+    @property
+    def best(self) -> PlanRow | None:
+        return self.rows[0] if self.rows and self.rows[0].fits else None
+
+    @property
+    def feasible(self) -> list[PlanRow]:
+        return [r for r in self.rows if r.fits]
+
+    def find(self, **fields: Any) -> PlanRow:
+        """The row whose candidate has these field values (``plan.find(plugin="zero2", recompute="full",
+        micro_batch=4)``); the first of several."""
+        for r in self.rows:
+            if all(getattr(r.candidate, k) == v for k, v in fields.items()):
+                return r
+        raise KeyError(f"no planned configuration has {fields}")
+
+    def table(self, limit: int | None = 15) -> str:
+        mfu = self.hardware.peak_tflops is not None
+        head = ["", "configuration", "recompute", "micro-batch x accum", "GPU GiB", "host GiB", "tok/s/GPU"]
+        head += ["MFU"] if mfu else []
+        head += ["fits"]
+        feasible = self.feasible
+        shown = feasible[:limit] if limit else feasible
+        if not feasible:  # show what came closest
+            shown = sorted(self.rows, key=lambda r: r.gpu_bytes)[: limit or None]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in shown:
+            c = r.candidate
+            cells = ["*" if r is self.best else "", c.plugin_label, c.recompute, f"{c.micro_batch} x {c.accumulation}",
+                     f"{r.gpu_bytes / GiB:.1f}", f"{r.host_bytes / GiB:.1f}", f"{r.tokens_per_s:,.0f}"]  # fmt: skip
+            cells += [f"{100 * r.mfu:.1f}%"] if mfu else []
+            cells += ["yes" if r.fits else "no"]
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: what is best and why, or what would fit."""
+        n = len(self.feasible)
+        if self.best is None:
+            closest = min(self.rows, key=lambda r: r.gpu_bytes)
+            return (
+                f"nothing fits {self.gpu_budget_bytes / GiB:.1f} GiB of GPU and {self.host_budget_bytes / GiB:.1f} "
+                f"GiB of host memory: the smallest configuration ({closest.candidate.label}) needs "
+                f"{closest.gpu_bytes / GiB:.1f} GiB of GPU and {closest.host_bytes / GiB:.1f} GiB of host memory; "
+                "use more GPUs, a shorter sequence or a smaller global batch"
+            )
+        b = self.best
+        runner = next(
+            (r for r in self.feasible[1:] if r.candidate.plugin_label != b.candidate.plugin_label), None
+        )
+        why = f"fastest of {n} that fit"
+        if runner is not None:
+            why += f" ({b.tokens_per_s / runner.tokens_per_s:.2f}x the next plugin, {runner.candidate.label})"
+        return (
+            f"{b.plugin}, recompute {b.candidate.recompute}, micro-batch {b.candidate.micro_batch} x "
+            f"{b.candidate.accumulation} accumulation: predicted {b.tokens_per_s:,.0f} tok/s/GPU at "
+            f"{b.gpu_bytes / GiB:.1f} GiB GPU and {b.host_bytes / GiB:.1f} GiB host; {why}"
+        )
+
+    def __str__(self) -> str:
+        s = self.model.shape
+        head = (
+            f"{self.model.name}: {self.model.params / 1e9:.2f}B parameters (h{s.hidden} L{s.layers} vocab {s.vocab}), "
+            f"{self.gpus} GPU(s), sequence {self.seq_len}, global batch {self.global_batch}, {self.precision}; "
+            f"budgets {self.gpu_budget_bytes / GiB:.1f} GiB GPU, {self.host_budget_bytes / GiB:.1f} GiB host; "
+            f"rates: {self.hardware.source}"
+        )
+        return f"{head}\n\n{self.table()}\n\n{self.summary()}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": {
+                "name": self.model.name,
+                "params": self.model.params,
+                "shape": asdict(self.model.shape),
+            },
+            "gpus": self.gpus,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "precision": self.precision,
+            "gpu_budget_gib": self.gpu_budget_bytes / GiB,
+            "host_budget_gib": self.host_budget_bytes / GiB,
+            "hardware": self.hardware.to_json(),
+            "best": self.best.to_json() if self.best else None,
+            "rows": [r.to_json() for r in self.rows],
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+    def plot(self, path: str) -> None:
+        """Tokens/s against GPU memory of every configuration, feasible ones filled, the best marked
+        (needs matplotlib: ``pip install 'cai-booster[plot]'``)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("Plan.plot needs matplotlib: pip install 'cai-booster[plot]'") from None
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for fits, style in (
+            (False, dict(facecolors="none", edgecolors="grey")),
+            (True, dict(color="tab:blue")),
+        ):
+            rows = [r for r in self.rows if r.fits == fits]
+            ax.scatter([r.gpu_bytes / GiB for r in rows], [r.tokens_per_s for r in rows], s=14,
+                       label="fits" if fits else "does not fit", **style)  # fmt: skip
+        if self.best:
+            ax.scatter([self.best.gpu_bytes / GiB], [self.best.tokens_per_s], marker="*", s=200, color="tab:red",
+                       label=f"best: {self.best.candidate.label}")  # fmt: skip
+        ax.axvline(self.gpu_budget_bytes / GiB, color="tab:red", linestyle="--", linewidth=1)
+        ax.set_xlabel("predicted GPU peak (GiB)")
+        ax.set_ylabel("predicted tokens/s per GPU")
+        ax.set_title(
+            f"{self.model.name}, {self.gpus} GPU(s), seq {self.seq_len}, global batch {self.global_batch}"
+        )
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+
+def _powers_of_two_dividing(n: int) -> list[int]:
+    return [m for m in (1, 2, 4, 8, 16, 32, 64, 128, 256) if m <= n and n % m == 0]
+
+
+def candidates(
+    spec: ModelSpec, *, gpus: int, global_batch: int, device: str = "cuda", plugins: tuple[str, ...] | None = None,
+    recompute: tuple[str, ...] = RECOMPUTE, micro_batches: tuple[int, ...] | None = None,
+) -> list[tuple[Candidate, int]]:  # fmt: skip
+    """Every configuration to price, each with its data-parallel size."""
+    layouts: list[tuple[dict, int]] = []  # (fields, dp)
+    if global_batch % gpus == 0:
+        layouts += [({"plugin": "ddp"}, gpus), ({"plugin": "fsdp"}, gpus), ({"plugin": "zero2"}, gpus)]
+        if gpus > 1:
+            layouts.append(({"plugin": "zero1"}, gpus))
+        layouts += [({"plugin": "gemini", "offload_optim_frac": f}, gpus) for f in GEMINI_OPTIM_FRACS]
+        if device == "cuda":  # host offload only means something beside a GPU
+            layouts.append(({"plugin": "zero2", "offload": True}, gpus))
+            layouts += [
+                ({"plugin": "gemini", "offload_optim_frac": f, "offload_param_frac": 1.0}, gpus)
+                for f in (0.9, 1.0)
+            ]
+        else:
+            layouts = [(f, dp) for f, dp in layouts if not f.get("offload_optim_frac")]
+    s = spec.shape
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8):
+            if tp * pp == 1 or gpus % (tp * pp) or s.heads % tp or s.kv_heads % tp or s.layers < pp:
+                continue
+            dp = gpus // (tp * pp)
+            if global_batch % dp == 0:
+                layouts.append(({"plugin": "hybrid", "tp": tp, "pp": pp}, dp))
+    out = []
+    for fields, dp in layouts:
+        if plugins and fields["plugin"] not in plugins:
+            continue
+        per_rank = global_batch // dp
+        for mb in micro_batches or _powers_of_two_dividing(per_rank):
+            if per_rank % mb:
+                continue
+            acc = per_rank // mb
+            if fields.get("pp", 1) > 1 and acc < fields["pp"]:
+                continue  # 1F1B needs at least as many micro-batches as stages
+            for r in recompute:
+                out.append((Candidate(recompute=r, micro_batch=mb, accumulation=acc, **fields), dp))
+    return out
+
+
+def plan(
+    model: str | nn.Module | ModelSpec,
+    *,
+    gpu_budget_bytes: int | None = None,
+    host_budget_bytes: int | None = None,
+    gpus: int = 1,
+    seq_len: int = 2048,
+    global_batch: int | None = None,
+    precision: str = "bf16",
+    kernels: bool = True,
+    hardware: Hardware | None = None,
+    device: str = "cuda",
+    plugins: tuple[str, ...] | None = None,
+    recompute: tuple[str, ...] = RECOMPUTE,
+    micro_batches: tuple[int, ...] | None = None,
+) -> Plan:
+    """Price every configuration of training ``model`` on ``gpus`` GPUs: predicted per-GPU and host peaks and
+    tokens/s, feasible configurations first, fastest first.
+
+    Args:
+        model: a preset (``1b``, ``3b``, ``8b``, ``13b``, ``70b``), a Hugging Face config path or hub name, a
+            model (meta or lazy is enough), or a ``ModelSpec``.
+        gpu_budget_bytes, host_budget_bytes: memory one GPU and the host may use (default: the machine's, from
+            ``hardware``).
+        gpus: GPUs of the job (all on one host for the host budget).
+        seq_len: tokens per sequence.
+        global_batch: sequences per optimizer step over all GPUs (default 8 per GPU).
+        precision: working precision (``"bf16"``, ``"fp16"``, ``"fp32"``); masters and Adam stay fp32.
+        kernels: cai-kernels' fused kernels and loss are applied (``cai.kernels.patch_hf_model``).
+        hardware: the machine's rates (default: the stored calibration of this machine, else built-in H200
+            figures; see ``cai.booster.calibrate``).
+        device: ``"cuda"`` or ``"cpu"`` (no host offload rows, no CUDA workspace or context).
+        plugins, recompute, micro_batches: restrict the search to these values.
+
+    Example::
+
+        p = plan("8b", gpu_budget_bytes=24 * 2**30, host_budget_bytes=120 * 2**30, global_batch=32)
+        print(p)                 # the table, then the best configuration and why
+        plugin = p.best.candidate.plugin_call("bf16").build()
+    """
+    spec = ModelSpec.resolve(model)
+    hw = hardware or Hardware.load() or Hardware.h200()
+    global_batch = global_batch or 8 * gpus
+    if global_batch < 1 or gpus < 1 or seq_len < 1:
+        raise ValueError(f"plan: gpus={gpus}, seq_len={seq_len} and global_batch={global_batch} must be >= 1")
+    gpu_budget = gpu_budget_bytes if gpu_budget_bytes is not None else hw.gpu_mem_bytes
+    host_budget = host_budget_bytes if host_budget_bytes is not None else hw.host_mem_bytes
+    rows = []
+    for c, dp in candidates(spec, gpus=gpus, global_batch=global_batch, device=device, plugins=plugins,
+                            recompute=recompute, micro_batches=micro_batches):  # fmt: skip
+        e = estimate_candidate(
+            c, spec, hw, seq=seq_len, dp=dp, precision=precision, kernels=kernels, device=device
+        )
+        tokens = global_batch * seq_len / gpus / e.step_s
+        mfu = None
+        if hw.peak_tflops:
+            s = spec.shape
+            mfu = tokens * (6 * spec.params + 12 * s.layers * s.hidden * seq_len) / (hw.peak_tflops * 1e12)
+        # the host holds every rank's offloaded state: the process once per GPU
+        host_total = e.host_bytes * gpus
+        fits = e.gpu_bytes <= gpu_budget and host_total <= host_budget
+        rows.append(
+            PlanRow(c, str(c.plugin_call(precision)), e.gpu_bytes, host_total, e.step_s, tokens, mfu, fits, e)
+        )
+    if not rows:
+        raise ValueError(
+            f"plan: no configuration divides global_batch={global_batch} over gpus={gpus}; use a global batch that "
+            "is a multiple of the number of GPUs"
+        )
+    rows.sort(key=lambda r: (not r.fits, -r.tokens_per_s if r.fits else r.gpu_bytes))
+    return Plan(spec, hw, rows, gpus, seq_len, global_batch, precision, gpu_budget, host_budget)
