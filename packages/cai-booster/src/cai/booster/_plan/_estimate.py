@@ -14,7 +14,7 @@ Accumulating k > 1 micro-batches runs the earlier ones under ``no_sync``: zero k
 (b a parameter), gemini an fp32 accumulator for every chunk (4), ddp and fsdp accumulate in their fp32 gradients.
 Activations come from ``cai.gemini.activation_bytes`` (tensor parallelism divides them by tp; the first pipeline
 stage holds pp micro-batches of its L/pp layers in 1F1B, one micro-batch of all layers). The host peak adds the
-process itself (``_HOST_BASE``); models are assumed built lazily (``LazyInitContext``) or on the device.
+process itself (``Hardware.host_base_bytes``, measured by calibration); models are built lazily (``LazyInitContext``) or on the device.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from cai.gemini import ChunkConfig, ChunkLayout, activation_bytes, estimate, hos
 __all__ = ["Estimate", "estimate_candidate"]
 
 _WORKSPACE_GPU = 768 * 2**20  # cuBLAS / attention workspaces and allocator slack (as cai-gemini's planner)
-_HOST_BASE = 3 * 2**30  # the process: torch, the CUDA context, libraries (as cai-gemini's planner)
 _BUCKETS = 2 * 25 * 2**20  # reduction buckets in flight
 _OPT_BYTES = 28  # bytes a device Adam step moves per parameter (fp32 master, moments, gradient, working copy)
 _OVERLAP = 0.9  # share of backward that communication and the host step can hide behind
@@ -71,7 +70,8 @@ def estimate_candidate(
         act = {k: int(v / c.tp) for k, v in act.items()}
     k = c.accumulation
     parts: dict[str, float] = {"saved activations": act["saved"], "workspace": _WORKSPACE_GPU if gpu else 0}
-    host: dict[str, float] = {"process": _HOST_BASE if gpu else 0}
+    base = hw.host_base_bytes if gpu else 0  # the process: torch, the CUDA context, libraries
+    host: dict[str, float] = {"process": base}
     grads = 0.0  # gradient bytes alive at the end of backward, counted against the loss's tensors
     if c.plugin == "ddp":
         parts["fp32 weights+adam"] = 12 * P
@@ -110,8 +110,7 @@ def estimate_candidate(
         parts = dict(dev)
         if k > 1:
             parts["no_sync accumulator"] = 4 * layout.trained
-        host = {**hst, "process": hst["process"] if gpu else 0}
-        host["build"] = host["process"] + 4 * layout.chunk_size
+        host = {**hst, "process": base, "build": base + 4 * layout.chunk_size}
     if c.plugin != "gemini":
         parts["loss or gradients"] = max(act["loss"], grads + act["layer"])
     gpu_bytes = int(sum(parts.values()))

@@ -45,6 +45,8 @@ class Hardware:
         host_adam_params_per_s: cai-kernels' host Adam, parameters a second with every host core.
         comm_gbs: all-reduce bus bandwidth between this host's GPUs (assumed unless calibrated on several).
         step_overhead: a measured small-model step over its predicted time (see [Note: calibration]).
+        host_base_bytes: resident host memory of a training process before it holds any model state (torch, the
+            CUDA context and libraries, compiled kernels).
         peak_tflops: the device's dense bf16 peak that MFU is counted against (None: unknown, no MFU).
         source: how the figures were obtained.
     """
@@ -60,6 +62,7 @@ class Hardware:
     host_adam_params_per_s: float
     comm_gbs: float = 300.0
     step_overhead: float = 1.0
+    host_base_bytes: int = 3 * GiB
     peak_tflops: float | None = None
     source: str = "measured"
 
@@ -76,20 +79,28 @@ class Hardware:
 
     @classmethod
     def h200(cls) -> Hardware:
-        """Figures measured on one NVIDIA H200 with 16 host cores and 128 GiB (BENCHMARKS.md and
-        examples/benchmarks/RESULTS.md), used until ``cai plan --calibrate`` has run on the machine."""
+        """``calibrate()`` on one NVIDIA H200 with 16 host cores and 128 GiB (torch 2.11; examples/benchmarks/
+        RESULTS.md), used until ``cai plan --calibrate`` has run on the machine."""
         return cls(
             device="NVIDIA H200 (built-in figures)",
-            gpu_mem_bytes=int(139.8 * GiB),
-            host_mem_bytes=128 * GiB,
-            matmul_tflops=[[1024, 420.0], [2048, 560.0], [4096, 650.0], [8192, 700.0], [16384, 720.0]],
-            attention_tflops=420.0,
-            copy_gbs=4260.0,
-            pcie_gbs=55.0,
-            host_copy_gbs=100.0,
-            host_adam_params_per_s=3.98e9,
+            gpu_mem_bytes=150109880320,
+            host_mem_bytes=135128870912,
+            matmul_tflops=[
+                [512, 319.6],
+                [1024, 511.1],
+                [2048, 599.7],
+                [4096, 643.2],
+                [8192, 717.6],
+                [16384, 713.0],
+            ],
+            attention_tflops=290.0,
+            copy_gbs=4210.0,
+            pcie_gbs=55.2,
+            host_copy_gbs=76.4,
+            host_adam_params_per_s=4.86e9,
             comm_gbs=300.0,
-            step_overhead=1.1,
+            step_overhead=1.097,
+            host_base_bytes=int(5.62 * GiB),
             peak_tflops=989.0,
             source="built-in H200 figures (run `cai plan --calibrate` on the machine)",
         )
@@ -241,7 +252,8 @@ def calibrate(*, device: torch.device | str | None = None, anchor: bool = True, 
 
     Args:
         device: the accelerator (default: CUDA when available, else the CPU).
-        anchor: also time one small Llama step to measure ``step_overhead`` (needs transformers).
+        anchor: also time one small Llama step to measure ``step_overhead`` and the process's resident base
+            (needs transformers).
         log: where progress lines go (``None``: nowhere).
     """
     say = log or (lambda *_: None)
@@ -252,6 +264,11 @@ def calibrate(*, device: torch.device | str | None = None, anchor: bool = True, 
     )
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
+    overhead, base = 1.0, _rss_bytes()
+    if anchor:  # first: it loads what a training process loads, so the resident set after it is the base
+        say("calibrating: one small Llama forward and backward")
+        overhead = _anchor_overhead(dev)
+        base = _rss_bytes()
     say("calibrating: matmuls")
     sizes = (512, 1024, 2048, 4096, 8192, 16384) if gpu else (64, 256, 1024)
     matmul = _matmul_points(dev, dtype, sizes)
@@ -279,17 +296,26 @@ def calibrate(*, device: torch.device | str | None = None, anchor: bool = True, 
         source=f"measured {time.strftime('%Y-%m-%d %H:%M')}" + ("" if comm else "; comm_gbs assumed"),
     )
     if anchor:
-        say("calibrating: one small Llama step")
-        hw = replace(hw, step_overhead=_anchor_overhead(hw, dev))
-    return hw
+        hw = replace(hw, step_overhead=overhead(hw))
+    return replace(hw, host_base_bytes=base)
 
 
-def _anchor_overhead(hw: Hardware, device: torch.device) -> float:
-    """A small Llama's measured step time over the cost model's prediction for it (1.0 without transformers)."""
+def _rss_bytes() -> int:
+    """This process's resident set now (Linux), else 0."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _anchor_overhead(device: torch.device):
+    """Time a small Llama's forward and backward; returns a function of the other rates that gives its measured
+    time over the cost model's prediction (always 1.0 without transformers)."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
-        return 1.0
+        return lambda hw: 1.0
     from cai.booster._plan._cost import step_seconds
     from cai.booster._plan._spec import ModelSpec
     from cai.kernels import patch_hf_model
@@ -310,6 +336,5 @@ def _anchor_overhead(hw: Hardware, device: torch.device) -> float:
 
     measured = _timed(step, device, warmup=2, repeat=5)
     spec = ModelSpec.from_config(config)
-    predicted = step_seconds(spec, hw, tokens=batch * seq, seq=seq, wbytes=2 if gpu else 4, recompute="none",
-                             overhead=1.0)  # fmt: skip
-    return measured / predicted
+    return lambda hw: measured / step_seconds(spec, hw, tokens=batch * seq, seq=seq, wbytes=2 if gpu else 4,
+                                              recompute="none", overhead=1.0)  # fmt: skip
