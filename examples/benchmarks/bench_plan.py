@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -132,8 +131,15 @@ def measure(row: Row, args: argparse.Namespace) -> dict:
         "tokens_per_s": c.accumulation * c.micro_batch * args.seq / s,
         "gpu_gib": torch.cuda.max_memory_allocated() / GiB if cuda else None,
         "gpu_reserved_gib": torch.cuda.max_memory_reserved() / GiB if cuda else None,
-        "host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
+        "host_gib": _host_peak_bytes() / GiB,
     }
+
+
+def _host_peak_bytes() -> int:
+    """This process's peak resident set: VmHWM belongs to the address space made at exec, whereas ru_maxrss
+    carries over the parent's peak at fork."""
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
 
 
 class _null:
@@ -226,10 +232,10 @@ def table(results: list[dict]) -> str:
             lines.append(f"| {r['row']['name']} | {p['label']} | {m['error']} | | | | | |")
             continue
         gpu = (
-            f"{p['gpu_gib']:.1f} / {m['gpu_gib']:.1f} ({m['gpu_reserved_gib']:.1f})" if m["gpu_gib"] else "-"
+            f"{p['gpu_gib']:.1f} / {m['gpu_reserved_gib']:.1f} ({m['gpu_gib']:.1f})" if m["gpu_gib"] else "-"
         )
         lines.append(
-            f"| {r['row']['name']} | {p['label']} | {gpu} | {ratio(p['gpu_gib'], m['gpu_gib'])} | "
+            f"| {r['row']['name']} | {p['label']} | {gpu} | {ratio(p['gpu_gib'], m['gpu_reserved_gib'])} | "
             f"{p['host_gib']:.1f} / {m['host_gib']:.1f} | {ratio(p['host_gib'], m['host_gib'])} | "
             f"{p['tokens_per_s']:,.0f} / {m['tokens_per_s']:,.0f} | {ratio(p['tokens_per_s'], m['tokens_per_s'])} |"
         )
