@@ -148,6 +148,7 @@ class PluginChoice:
     offload_optim_frac: float = 0.0
     offload_param_frac: float = 0.0
     hybrid: HybridLayout | None = None  # --plugin hybrid's sizes (default: tp 1, pp 1, ZeRO-1)
+    use_fp8: bool = False  # FP8 linear layers (LowLevelZero and Gemini)
 
     def __post_init__(self) -> None:
         if self.name not in PLUGINS:
@@ -166,6 +167,8 @@ class PluginChoice:
             )
         if self.cpu_offload and self.name not in ("zero1", "zero2", "fsdp"):
             raise ValueError(f"--cpu-offload applies to zero1, zero2 and fsdp, not --plugin {self.name}")
+        if self.use_fp8 and self.name not in ("zero1", "zero2", "gemini"):
+            raise ValueError(f"--fp8 applies to zero1, zero2 and gemini, not --plugin {self.name}")
         if self.hybrid is not None and self.name != "hybrid":
             raise ValueError(
                 f"--tp/--pp/--sp/--sp-mode/--zero-stage/--microbatches are HybridParallelPlugin's; got --plugin "
@@ -187,7 +190,7 @@ class PluginChoice:
             "zero1": "LowLevelZero-1",
             "zero2": "LowLevelZero-2",
             "hybrid": f"HybridParallel {self.hybrid.describe()}" if self.hybrid else "HybridParallel",
-        }.get(self.name, "Gemini")
+        }.get(self.name, "Gemini") + (" FP8" if self.use_fp8 else "")
 
 
 def make_booster(choice: PluginChoice):
@@ -209,6 +212,7 @@ def make_booster(choice: PluginChoice):
             precision=choice.precision,
             max_norm=choice.max_norm,
             cpu_offload=choice.cpu_offload,
+            use_fp8=choice.use_fp8,
         )
         return Booster(plugin=plugin)
     if choice.name == "hybrid":
@@ -233,5 +237,6 @@ def make_booster(choice: PluginChoice):
         shard_param_frac=choice.shard_param_frac,
         offload_optim_frac=choice.offload_optim_frac,
         offload_param_frac=choice.offload_param_frac,
+        use_fp8=choice.use_fp8,
     )  # host optimizer chunks update during backward by default wherever that is exact
     return Booster(plugin=plugin)

@@ -33,7 +33,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _workloads
@@ -110,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cai's fused kernels in the cai run (default on; peers never use them)",
     )
     p.add_argument("--lazy", action="store_true", help="build the cai model under LazyInitContext")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="zero1/zero2/gemini: also time each such plugin with use_fp8=True (FP8 linear layers), one row more each",
+    )
     p.add_argument("--cpu-offload", action="store_true", help="optimizer offload (zero1/zero2/fsdp)")
     p.add_argument("--shard-param-frac", "--shard_param_frac", type=float, default=1.0, help="Gemini")
     p.add_argument("--offload-optim-frac", "--offload_optim_frac", type=float, default=0.0, help="Gemini")
@@ -318,6 +323,8 @@ def main(args: argparse.Namespace) -> None:
         )
         for name in args.plugins
     ]  # fmt: skip
+    if args.fp8:
+        choices += [replace(c, use_fp8=True) for c in choices if c.name in ("zero1", "zero2", "gemini")]
     config = preset_config(args.config, max_seq=args.max_length)
     with torch.device("meta"):
         shape = ModelShape.of(_workloads.LlamaForCausalLM(config), config)
