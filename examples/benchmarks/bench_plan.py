@@ -126,7 +126,16 @@ def measure(row: Row, args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     s = statistics.median(times)
+    gemini = getattr(model, "_cai_gemini", None)
+    extra = {}
+    if gemini is not None:  # cai-gemini's own account of its model data, by kind, for a wrong prediction
+        t = gemini.tracker
+        extra["gemini_gib"] = {
+            loc: {k: round(v / GiB, 3) for k, v in kinds.items() if v} for loc, kinds in t.bytes.items()
+        }
+        extra["gemini_peak_model_device_gib"] = round(t.peak_model_device / GiB, 3)
     return {
+        **extra,
         "step_s": s,
         "tokens_per_s": c.accumulation * c.micro_batch * args.seq / s,
         "gpu_gib": torch.cuda.max_memory_allocated() / GiB if cuda else None,
