@@ -27,11 +27,19 @@ _EPS = 1e-12
 
 
 def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (M, K) as FP8 with one fp32 scale per row: ``x ~= q.float() * scale``; returns ``(q, scale (M, 1))``."""
+    """``x`` (M, K) as FP8 with one fp32 scale per row: ``x ~= q.float() * scale``; returns ``(q, scale (M, 1))``,
+    ``q`` row-major whatever the layout of ``x`` (a transposed view is read in place)."""
     amax = x.detach().abs().amax(dim=-1, keepdim=True).float().clamp_min(_EPS)
     scale = amax / torch.finfo(dtype).max
-    q = (x.float() / scale).to(dtype)
+    q = (x.float() / scale).to(dtype).contiguous()
     return q, scale
+
+
+@functools.cache
+def _compiled_quantize():
+    # One fused kernel per (layout, dtype) instead of five passes (abs, amax, upcast, divide, cast) and a transpose
+    # copy over a bf16 tensor: the quantisation is memory-bound and, unfused, cost more than the FP8 matmul saves.
+    return torch.compile(quantize_rowwise, dynamic=True)
 
 
 @functools.cache
@@ -52,11 +60,14 @@ def fp8_matmul(
     b_dtype: torch.dtype = E4M3,
 ) -> torch.Tensor:
     """``a @ b.T`` for ``a`` (M, K) and ``b`` (N, K), both quantised row-wise over K (see [Note: fp8 linear])."""
-    qa, sa = quantize_rowwise(a, a_dtype)
-    qb, sb = quantize_rowwise(b, b_dtype)
     if out_dtype == torch.bfloat16 and _scaled_mm_ok(a) and a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0:
+        quantize = _compiled_quantize()
+        qa, sa = quantize(a, a_dtype)
+        qb, sb = quantize(b, b_dtype)
         # the second operand must be column-major: qb is (N, K) row-major, so qb.t() is (K, N) column-major
         return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
+    qa, sa = quantize_rowwise(a, a_dtype)
+    qb, sb = quantize_rowwise(b, b_dtype)
     return ((qa.float() * sa) @ (qb.float() * sb).t()).to(out_dtype)
 
 
@@ -78,9 +89,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         # dx = dy @ W: reduce over out_features, so W's columns are the rows to scale
-        dx = fp8_matmul(dy2, weight.t().contiguous(), out_dtype=x2.dtype, a_dtype=E5M2)
+        # (transposed views: the quantiser reads them in place and writes row-major FP8)
+        dx = fp8_matmul(dy2, weight.t(), out_dtype=x2.dtype, a_dtype=E5M2)
         # dW = dy^T @ x: reduce over tokens
-        dw = fp8_matmul(dy2.t().contiguous(), x2.t().contiguous(), out_dtype=weight.dtype, a_dtype=E5M2)
+        dw = fp8_matmul(dy2.t(), x2.t(), out_dtype=weight.dtype, a_dtype=E5M2)
         db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None
         return dx.reshape(ctx.shape), dw, db
 
