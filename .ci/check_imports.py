@@ -75,6 +75,9 @@ EXCEPTIONS: tuple[Allowed, ...] = (
     ),
     Allowed("booster", "numpy", "dataloader workers seed NumPy (installed through cai-ckpt)"),
     Allowed("booster", "peft", "the optional extra cai-booster[lora]; imported lazily"),
+    Allowed(
+        "booster", "matplotlib", "the optional extra cai-booster[plot] (`cai plan --plot`); imported lazily"
+    ),
     Allowed("infer", "fastapi", "the optional extra cai-infer[serve] (the HTTP server); imported lazily"),
     Allowed("infer", "uvicorn", "the optional extra cai-infer[serve] (the HTTP server); imported lazily"),
 )
