@@ -4,16 +4,16 @@
 Model data per rank, with P the padded chunk elements, T the trainable part, w the group size and b the working
 precision's bytes: working shard ``b * P / w`` (the whole ``b * P`` when a rank keeps chunks gathered), fp32 master
 ``4 * T / w``, Adam moments ``8 * T / w`` and one micro-batch's gradient ``b * T / w`` in the working precision
-(an fp32 gradient appears only with accumulation), all on the device, or on the host where the gradient's buffer
-also carries the parameters up; on the device also the gathered chunks in flight (current, prefetched and the one
-held into backward) and two gradient buffers. Non-model data is the activation estimate of a decoder-only
-transformer (``TransformerShape``): with checkpointing, each layer's input plus one layer recomputed in backward;
-without, every layer's saved tensors; plus the logits, their fp32 copies and gradient at the start of backward,
-which dominate with large vocabularies. Those are freed before backward has produced most gradients, so the
-device peak counts the larger of the two, not their sum (the loss's bytes per logit were fitted to peaks measured
-on an H200: examples/benchmarks/RESULTS.md). Host peak adds the model as built on the host before chunks take
-over (its largest point), when its parameters are on the host; a model built on the GPU or on the meta device has
-no such point.
+(in fp32, ``4 * T / w`` kept across steps, when training in fp32 or accumulating), all on the device, or on the host
+where the gradient's buffer also carries the parameters up; on the device also the gathered chunks in flight
+(current, prefetched and the one held into backward) and up to two chunk-sized gradient buffers being filled in
+backward. Non-model data is the activation estimate of a decoder-only transformer (``TransformerShape``): with
+checkpointing, each layer's input plus one layer recomputed in backward; without, every layer's saved tensors;
+plus the logits, their fp32 copies and gradient at the start of backward, which dominate with large vocabularies.
+Those are freed before backward has produced any gradient, so the device peak counts the larger of the two, not
+their sum (the loss's bytes per logit were fitted to peaks measured on an H200: examples/benchmarks/RESULTS.md).
+Host peak adds the model as built on the host before chunks take over (its largest point), when its parameters are
+on the host; a model built on the GPU or on the meta device has no such point.
 """
 
 from __future__ import annotations
@@ -126,11 +126,12 @@ def activation_bytes(
     recompute: str = "full",
     wbytes: int = 2,
     fused_loss: bool = False,
+    fused_norms: bool = True,
 ) -> dict[str, int]:
     """Activation memory of one micro-batch of a decoder-only transformer, per rank.
 
     Returns ``saved`` (held from forward into backward), ``loss`` (the loss's tensors at the start of backward) and
-    ``layer`` (one layer's tensors while backward recomputes it).
+    ``layer`` (one layer's tensors while backward recomputes it, with the gradients flowing through it).
 
     Args:
         recompute: ``"full"`` (each layer keeps only its input and runs again in backward), ``"selective"`` (keeps
@@ -138,24 +139,36 @@ def activation_bytes(
             or ``"none"``.
         fused_loss: the output head and cross-entropy fused in token chunks (cai-kernels' ``patch_hf_model``): no
             full logits; the head's weight gradient and the hidden states' gradient instead.
+        fused_norms: RMSNorm is one kernel that saves its input and output (cai-kernels); False: Hugging Face's
+            eager RMSNorm, which also saves its input in fp32 and the normalized tensor.
     """
     tokens = batch * seq
     kv = s.hidden * s.kv_heads // s.heads
     # tensors a decoder layer saves for backward, per token (flash attention: no score matrix)
     per_layer = tokens * (wbytes * (6 * s.hidden + 2 * kv + 4 * s.ffn) + 4 * 4)
+    if not fused_norms:
+        # per eager norm, 4 bytes a hidden element more: in bf16 the fp32 copy of the input (4) and the normalized
+        # tensor (2) instead of the input (2); in fp32 the normalized tensor (4)
+        per_layer += tokens * 2 * 4 * s.hidden
+    # backward through a recomputed layer holds, beside its saved tensors, the gradients in flight through it: about
+    # one ffn-wide and one hidden-wide tensor (measured on a CPU, fp32 and unfused: 1.1-1.2x the saved tensors)
+    in_flight = tokens * wbytes * (s.ffn + s.hidden)
     if fused_loss:
         # the head's gradient and the hidden states' gradient, formed in forward, and one chunk of logits
         loss = s.vocab * s.hidden * wbytes + tokens * s.hidden * wbytes + 160 * 2**20
-    else:
+    elif wbytes < 4:
         # the working-precision logits, their fp32 copy and log-softmax, and the logits' gradient (these dominate
         # with large vocabularies)
         loss = tokens * s.vocab * (2 * wbytes + 8)
+    else:
+        # fp32 logits are their own fp32 copy: the log-softmax, its incoming gradient and the logits' gradient
+        loss = tokens * s.vocab * 12
     if recompute == "full":
-        return {"saved": s.layers * tokens * s.hidden * wbytes, "loss": loss, "layer": 2 * per_layer}
+        return {"saved": s.layers * tokens * s.hidden * wbytes, "loss": loss, "layer": per_layer + in_flight}
     if recompute == "selective":
         # kept per token: the layer input, q, k, v, the attention output, the o, gate, up and down projections
         kept = tokens * (wbytes * (5 * s.hidden + 2 * kv + 2 * s.ffn) + 4 * 4)
-        return {"saved": s.layers * kept, "loss": loss, "layer": per_layer - kept}
+        return {"saved": s.layers * kept, "loss": loss, "layer": per_layer - kept + in_flight}
     if recompute == "none":
         return {"saved": s.layers * per_layer, "loss": loss, "layer": 0}
     raise ValueError(f"activation_bytes: recompute={recompute!r}; use 'full', 'selective' or 'none'")
@@ -204,28 +217,41 @@ def estimate(
     max_prefetch: int = 0,
     built_on_host_bytes: int = 0,
     workspace_bytes: int = _WORKSPACE,
+    accumulation: int = 1,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Per-rank device and host bytes of one placement, by part (see [Note: planner model]); the device peak is
     the sum of the first dict, the host peak the larger of the second's ``steady`` sum and its ``build`` entry.
 
     ``act`` is ``activation_bytes(...)``; ``built_on_host_bytes`` the model as built on the host before chunks
-    take over (0 for a model built on the device or the meta device).
+    take over (0 for a model built on the device or the meta device); ``accumulation`` the micro-batches of a step
+    (all but the last under ``no_sync``).
     """
     w, fo, fp = world_size, offload_optim_frac, offload_param_frac
     keep_all = w == 1 and not fp
     shards = wbytes * layout.padded if keep_all else wbytes * layout.padded // w
-    # one micro-batch's gradient in the working precision: on the device as reduced; on the host in the transfer
-    # buffer that also carries the parameters up
-    grads_dev = int((1 - fo) * wbytes * layout.trained // w)
+    # one micro-batch's gradient stays in the working precision: on the device as reduced (on one rank the chunk's
+    # gradient buffer itself), freed by zero_grad; on the host in the transfer buffer that also carries the
+    # parameters up. An fp32 gradient (fp32 training, or a sum over micro-batches) is copied into an fp32 shard
+    # that is kept across steps.
+    fp32_grad = wbytes == 4 or accumulation > 1
+    grads_dev = int((1 - fo) * (4 if fp32_grad else wbytes) * layout.trained // w)
+    # chunk-sized gradient buffers being filled, at most two at a time; on one rank with the optimizer on the
+    # device a working-precision buffer is the gradient shard itself
+    chunks = max(1, layout.padded // layout.chunk_size)
+    own = w == 1 and not fp32_grad and not fo
+    buffers = 0 if own else min(2, chunks) * layout.chunk_size * wbytes
     dev = {
         "saved activations": act["saved"],
         "workspace": workspace_bytes,
-        # the loss's tensors are gone before backward has produced many gradients: the larger one counts
-        "loss or gradients": max(act["loss"], grads_dev + act["layer"]),
+        "fp32 gradient shards": grads_dev if fp32_grad else 0,
+        # the loss's tensors are gone before backward has produced any gradient (the first gradient buffer is
+        # allocated when the output head's gradient arrives): the larger one counts
+        "loss or gradients": max(act["loss"], (0 if fp32_grad else grads_dev) + buffers + act["layer"]),
         "gathered chunks": 0 if keep_all else (2 + max_prefetch) * layout.chunk_size * wbytes,
-        "gradient buffers": 2 * layout.chunk_size * wbytes,
         "parameter shards": int((1 - fp) * shards),
         "master+adam": int((1 - fo) * 12 * layout.trained // w),
+        # no_sync sums each chunk's whole gradient buffer in fp32 until the synchronised backward reduces it
+        "no_sync accumulator": 4 * layout.trained if accumulation > 1 else 0,
     }
     host = {
         "process": _HOST_BASE,

@@ -4,14 +4,19 @@
 Bytes a parameter, per rank, with working precision b (2 for bf16), Adam, w data-parallel ranks:
   ddp     fp32 weights 4, fp32 gradients 4 (+4 of DDP buckets when w > 1), Adam 8; autocast keeps a b-byte copy
           of each weight for backward (without recomputation).
-  fsdp    fp32 shards 4/w, fp32 gradient shards 4/w, Adam 8/w; the root (embeddings, head) stays gathered in b,
-          two decoder layers are gathered at a time, and an unsharded gradient of one layer in fp32.
-  zero    working weights b, fp32 master and Adam 12/w, one reduced gradient shard b/w; with offload the
-          master, Adam and an fp32 gradient shard live on the host (16/w) with a b-byte staging buffer.
+  fsdp    fp32 shards 4/w, fp32 gradient shards 4/w, Adam 8/w; the root (embeddings, head) stays gathered in b;
+          in backward two decoder layers are gathered at a time, and an unsharded gradient of one layer in fp32.
+  zero    working weights b, fp32 master and Adam 12/w, one reduced gradient shard b/w (with w > 1 also the
+          reduction buckets in flight; with one rank the reduced bucket is the shard); with offload the master, Adam
+          and an fp32 gradient shard live on the host (16/w) with a b-byte staging buffer.
   gemini  cai-gemini's own estimate (``cai.gemini.estimate``) for the placement's fractions.
   hybrid  zero-1 over dp for each rank's 1/(tp x pp) of the model.
 Accumulating k > 1 micro-batches runs the earlier ones under ``no_sync``: zero keeps full local gradient buckets
-(b a parameter), gemini an fp32 accumulator for every chunk (4), ddp and fsdp accumulate in their fp32 gradients.
+(b a parameter), gemini an fp32 accumulator for every chunk (4), ddp its fp32 gradients (4) and fsdp unsharded
+fp32 gradients (4), all alive through the last micro-batch.
+The loss's tensors are freed before the first gradient exists, so they count against the gradients, not beside
+them; ddp and fsdp gradients appear parameter by parameter, so the first layer's recomputation (the last) runs
+without its own and the input embedding's gradients, while zero's buckets and gemini's chunks are allocated whole.
 Activations come from ``cai.gemini.activation_bytes`` (tensor parallelism divides them by tp; the first pipeline
 stage holds pp micro-batches of its L/pp layers in 1F1B, one micro-batch of all layers). The host peak adds the
 process itself (``Hardware.host_base_bytes``, measured by calibration); models are built lazily (``LazyInitContext``) or on the device.
@@ -19,6 +24,7 @@ process itself (``Hardware.host_base_bytes``, measured by calibration); models a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from cai.booster._plan._candidate import Candidate
@@ -62,7 +68,13 @@ def estimate_candidate(
     shard = c.tp * c.pp  # ranks one replica's model is cut over
     P = spec.params / shard
     act = activation_bytes(
-        spec.shape, c.micro_batch, seq, recompute=c.recompute, wbytes=wb, fused_loss=kernels
+        spec.shape,
+        c.micro_batch,
+        seq,
+        recompute=c.recompute,
+        wbytes=wb,
+        fused_loss=kernels,
+        fused_norms=kernels,
     )
     if (
         shard > 1
@@ -73,52 +85,86 @@ def estimate_candidate(
     base = hw.host_base_bytes if gpu else 0  # the process: torch, the CUDA context, libraries
     host: dict[str, float] = {"process": base}
     grads = 0.0  # gradient bytes alive at the end of backward, counted against the loss's tensors
+    late = 0.0  # of those, bytes that do not exist yet while backward runs the first layer (see _late_share)
     if c.plugin == "ddp":
         parts["fp32 weights+adam"] = 12 * P
         grads = 4 * P + (4 * P if dp > 1 else 0)
+        late = 4 * P * _late_share(spec)
+        if k > 1:  # the earlier micro-batches' gradients are there from the start of the last one
+            parts["accumulated gradients"] = 4 * P
+            grads, late = grads - 4 * P, 0.0
         if c.recompute == "none" and wb == 2:
             parts["autocast weight copies"] = wb * (spec.matmul_params / shard)
     elif c.plugin == "fsdp":
         s = spec.shape
-        layer = (spec.params - 2 * s.vocab * s.hidden) / s.layers
+        root = (1 if spec.tied else 2) * s.vocab * s.hidden
+        layer = (spec.params - root) / s.layers
         parts["fp32 shards+adam"] = 12 * P / dp
-        parts["gathered root and layers"] = wb * (2 * s.vocab * s.hidden + 2 * layer)
-        grads = 4 * P / dp + 4 * layer
+        # the root (embeddings, head) stays gathered from forward to the end of backward; two decoder layers are
+        # gathered at a time, in backward beside the gradients (after forward they are resharded)
+        parts["gathered root"] = wb * root
+        grads = 4 * P / dp + 4 * layer + wb * 2 * layer
+        late = 4 * P / dp * _late_share(spec)
+        if k > 1:
+            # no_sync keeps every gradient unsharded in fp32 (the reduce dtype) from the first micro-batch on; the
+            # synchronised backward reduce-scatters them layer by layer into the shards
+            parts["no_sync gradients"] = 4 * P
+            grads, late = 4 * layer + wb * 2 * layer, 0.0
     elif c.plugin in ("zero1", "zero2", "hybrid"):
         parts["working weights"] = wb * P
+        # buckets are allocated whole when their first gradient arrives (no late share); with one rank a reduced
+        # bucket is kept as the gradient shard, with several its reduction is a new shard and buckets are in flight
+        in_flight = min(_BUCKETS, wb * P) if dp > 1 else 0
         if c.offload:
             host["master+adam+grad"] = 16 * P / dp
             host["staging"] = wb * P / dp
             grads = _BUCKETS
         else:
             parts["master+adam"] = 12 * P / dp
-            grads = wb * P / dp + _BUCKETS
+            grads = wb * P / dp + in_flight
         if k > 1:
+            # no_sync fills every bucket; the synchronised backward reduces them into the shards (on one rank the
+            # buckets are the shards)
             parts["no_sync buckets"] = wb * P
+            grads = _BUCKETS if c.offload else (wb * P / dp if dp > 1 else 0)
     else:  # gemini
-        layout = ChunkLayout.of(
-            list(spec.numels),
-            [True] * len(spec.numels),
-            world_size=dp,
-            chunk=ChunkConfig(hidden_dim=spec.shape.hidden),
-        )
+        layout = _chunk_layout(spec.numels, dp, spec.shape.hidden)
         dev, hst = estimate(
             layout, act, world_size=dp, wbytes=wb, offload_optim_frac=c.offload_optim_frac,
             offload_param_frac=c.offload_param_frac, max_prefetch=2 if c.offload_param_frac else 0,
-            workspace_bytes=parts["workspace"],
+            workspace_bytes=parts["workspace"], accumulation=k,
         )  # fmt: skip
         parts = dict(dev)
-        if k > 1:
-            parts["no_sync accumulator"] = 4 * layout.trained
-        host = {**hst, "process": base, "build": base + 4 * layout.chunk_size}
+        # the fp32 staging of one chunk while chunks are filled; on the CPU the host is the device, and that is
+        # before any activation or gradient exists, far below the training peak
+        host = {**hst, "process": base, "build": base + 4 * layout.chunk_size if gpu else 0}
     if c.plugin != "gemini":
-        parts["loss or gradients"] = max(act["loss"], grads + act["layer"])
+        parts["loss or gradients"] = max(act["loss"], grads, grads - late + act["layer"])
     gpu_bytes = int(sum(parts.values()))
     host_bytes = int(host_peak(host) if "build" in host else sum(host.values()))
     host_parts = {k_: int(v) for k_, v in host.items() if k_ != "build" and v}
     times = _time(c, spec, hw, seq=seq, dp=dp, wb=wb, kernels=kernels)
     return Estimate(gpu_bytes, host_bytes, sum(times.values()),
                     {k_: int(v) for k_, v in parts.items() if v}, host_parts, times)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_layout(numels: tuple[int, ...], dp: int, hidden: int) -> ChunkLayout:
+    """Gemini's chunk layout, searched once per model and group size (seconds for a 70B model; a plan prices
+    dozens of Gemini rows)."""
+    return ChunkLayout.of(
+        list(numels), [True] * len(numels), world_size=dp, chunk=ChunkConfig(hidden_dim=hidden)
+    )
+
+
+def _late_share(spec: ModelSpec) -> float:
+    """The share of per-parameter gradients (ddp, fsdp) that backward produces after it has begun the first decoder
+    layer: that layer's and, unless tied to the head, the input embedding's. The first layer's recomputation is
+    the last, so it runs beside all the other gradients but not these."""
+    s = spec.shape
+    embedding = 0 if spec.tied else s.vocab * s.hidden
+    layer = (spec.params - (2 - spec.tied) * s.vocab * s.hidden) / s.layers
+    return (embedding + layer) / spec.params
 
 
 def _time(c: Candidate, spec: ModelSpec, hw: Hardware, *, seq: int, dp: int, wb: int, kernels: bool) -> dict:

@@ -276,7 +276,7 @@ def calibrate(*, device: torch.device | str | None = None, anchor: bool = True, 
     attention = _attention_tflops(dev, dtype)
     say("calibrating: memory bandwidth and host<->device copies")
     copy = _copy_gbs(dev, GiB if gpu else 256 * 2**20)
-    host_copy = _copy_gbs(torch.device("cpu"), GiB)
+    host_copy = _copy_gbs(torch.device("cpu"), GiB) if gpu else copy  # on the CPU the device is the host
     pcie = _pcie_gbs(dev, GiB) if gpu else host_copy
     say("calibrating: host Adam")
     adam = _host_adam_params_per_s(2 * 10**8 if gpu else 2 * 10**7)

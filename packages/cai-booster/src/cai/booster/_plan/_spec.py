@@ -53,9 +53,11 @@ class ModelSpec:
 
     @classmethod
     def from_shape(cls, shape: TransformerShape, *, name: str = "custom", tied: bool = False) -> ModelSpec:
-        """The parameter tensors of a Llama-style model of this shape (attention without biases, SwiGLU MLP)."""
+        """The parameter tensors of a Llama-style model of this shape (attention without biases, SwiGLU MLP), in
+        Hugging Face's registration order (which decides how Gemini packs them into chunks)."""
         h, kv = shape.hidden, shape.hidden * shape.kv_heads // shape.heads
-        layer = [h, h * h, kv * h, kv * h, h * h, h, shape.ffn * h, shape.ffn * h, h * shape.ffn]
+        # q, k, v, o; gate, up, down; the two norms
+        layer = [h * h, kv * h, kv * h, h * h, shape.ffn * h, shape.ffn * h, h * shape.ffn, h, h]
         numels = [shape.vocab * h] + layer * shape.layers + [h] + ([] if tied else [shape.vocab * h])
         return cls(name=name, shape=shape, numels=tuple(numels), tied=tied)
 
