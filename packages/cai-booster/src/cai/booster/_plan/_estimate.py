@@ -118,7 +118,7 @@ def estimate_candidate(
         if c.offload:
             host["master+adam+grad"] = 16 * P / dp
             host["staging"] = wb * P / dp
-            grads = _BUCKETS
+            grads = wb * P / dp + in_flight  # the reduced shard is held on the device until the host step
         else:
             parts["master+adam"] = 12 * P / dp
             grads = wb * P / dp + in_flight

@@ -100,7 +100,7 @@ class Hardware:
             host_adam_params_per_s=4.86e9,
             comm_gbs=300.0,
             step_overhead=1.097,
-            host_base_bytes=int(5.62 * GiB),
+            host_base_bytes=int(1.45 * GiB),
             peak_tflops=989.0,
             source="built-in H200 figures (run `cai plan --calibrate` on the machine)",
         )
