@@ -142,3 +142,32 @@ def test_auto_needs_the_batch_shape() -> None:
     model = _model()
     with pytest.raises(ValueError, match="pass the data loader to boost"):
         booster.boost(model, HybridAdam(model.parameters()))
+
+
+def _choose_with_rank_budgets(budgets: list[int]) -> str:
+    import torch.distributed as dist
+
+    auto = AutoPlugin(micro_batch=BATCH, seq_len=SEQ, gpu_budget_bytes=budgets[dist.get_rank()],
+                      host_budget_bytes=64 * GiB, kernels=False, hardware=Hardware.h200())  # fmt: skip
+    model = _model()
+    auto.resolve(model, HybridAdam(model.parameters()), None, torch.device("cpu"))
+    return auto.chosen.candidate.label
+
+
+def test_ranks_with_different_budgets_choose_the_same_plugin() -> None:
+    # the fastest configuration fits rank 0's budget but not rank 1's: both must plan for rank 1's, or their first
+    # collectives would belong to different plugins and hang
+    p = plan(ModelSpec.from_model(_model()), gpus=2, global_batch=2 * BATCH, seq_len=SEQ, device="cpu",
+             kernels=False, hardware=Hardware.h200(), micro_batches=(BATCH,),
+             plugins=("ddp", "fsdp", "zero1", "zero2", "gemini"), host_offload=True)  # fmt: skip
+    fastest = p.rows[0]
+    small = fastest.gpu_bytes - 1
+    expected = next(
+        r for r in p.rows if r.gpu_bytes <= small and r.candidate.plugin != "fsdp"
+    ).candidate.label
+    labels = run_distributed(_choose_with_rank_budgets, 2, [64 * GiB, small])
+    assert labels[0] == labels[1] == expected != fastest.candidate.label, (
+        labels,
+        expected,
+        fastest.candidate.label,
+    )

@@ -193,8 +193,10 @@ def test_plan_puts_what_fits_first_fastest_first() -> None:
     assert any(fits) and not all(fits)
     assert fits == sorted(fits, reverse=True)
     assert all(r.fits == (r.gpu_bytes <= gpu and r.host_bytes <= host) for r in p.rows)
-    speeds = [r.tokens_per_s for r in p.feasible]
-    assert speeds == sorted(speeds, reverse=True)
+    scores = [r.score for r in p.feasible]
+    assert scores == sorted(scores, reverse=True)
+    # the score is tokens/s, less a margin that host offload must win by
+    assert all(r.score == r.tokens_per_s * (0.98 if r.candidate.host_params_frac else 1) for r in p.rows)
     assert p.best is p.rows[0] and p.best.gpu_bytes <= gpu and p.best.host_bytes <= host
     # what does not fit comes smallest first: the closest misses lead
     rest = [r.gpu_bytes for r in p.rows if not r.fits]

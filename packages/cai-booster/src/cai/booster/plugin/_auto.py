@@ -105,11 +105,8 @@ class AutoPlugin(DPPluginBase):
             ModelSpec.from_model(model), gpu_budget_bytes=gpu_budget, host_budget_bytes=host_budget, gpus=world,
             seq_len=seq, global_batch=mb * self.accumulation * world, precision=self._precision, kernels=kernels,
             hardware=self.hardware, device=device.type, plugins=plugins, micro_batches=(mb,),
+            host_offload=host_optimizer,  # offload needs an optimizer that steps on the host
         )  # fmt: skip
-        if not host_optimizer:  # offload needs an optimizer that steps on the host
-            rows = [r for r in p.rows if not r.candidate.host_params_frac]
-            p = type(p)(p.model, p.hardware, rows, p.gpus, p.seq_len, p.global_batch, p.precision,
-                        p.gpu_budget_bytes, p.host_budget_bytes)  # fmt: skip
         if p.best is None:
             raise ValueError(f"AutoPlugin: {p.summary()}")
         self.chosen = p.best
@@ -123,12 +120,20 @@ class AutoPlugin(DPPluginBase):
         return p.best.candidate.plugin_call(self._precision).build()
 
     def _budgets(self, device: torch.device) -> tuple[int, int]:
+        """This job's budgets: given, or what is free now; the smallest over the ranks, so that every rank plans
+        the same configuration (ranks that chose different plugins would hang in their first collective)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         host = self.host_budget_bytes or _available_host_bytes()
         if device.type == "cuda":
             gpu = self.gpu_budget_bytes or torch.cuda.mem_get_info(device)[0]
         else:  # the "device" is the host, shared by the local ranks
             gpu = self.gpu_budget_bytes or host // local
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor(
+                [gpu, host], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu"
+            )
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            gpu, host = (int(v) for v in t.tolist())
         return gpu, host
 
 
