@@ -121,6 +121,38 @@ def test_released_chunks_hold_no_memory_and_params_keep_identity() -> None:
     assert tracker.moved["h2d"] > 0
 
 
+@pytest.mark.parametrize("max_prefetch", [0, 1, 2])
+def test_prefetch_keeps_a_bounded_window_gathered(max_prefetch: int, monkeypatch) -> None:
+    # Parameters on the host: every chunk is gathered when used and released after. The recorded order visits a
+    # chunk more than once (a block's weights are read in turns), so chunks prefetched earlier and not yet used must
+    # count against the window, or each access would gather one more until the whole model was on the device.
+    from cai.gemini._chunk import Chunk
+
+    model = TinyTransformer(layers=6)
+    cfg = GeminiConfig(
+        precision="fp32", offload_param_frac=1.0, offload_optim_frac=1.0, max_prefetch=max_prefetch,
+        chunk=ChunkConfig(chunk_size=3000, min_chunk_size_m=0),
+    )  # fmt: skip
+    gm, gopt = shard(model, torch.optim.Adam(model.parameters()), config=cfg, device="cpu")
+    most = [0]
+    gather = Chunk.gather
+
+    def counting(self, *args, **kwargs):
+        gather(self, *args, **kwargs)
+        most[0] = max(most[0], sum(c.gathered for c in gm.chunks if not c.keep_gathered))
+
+    monkeypatch.setattr(Chunk, "gather", counting)
+    ids, labels = make_batch()
+    for _ in range(3):  # the first step records the order; prefetching starts in the second
+        gopt.backward(gm.module.loss(gm(ids), labels))
+        gopt.step()
+        gopt.zero_grad()
+    releasable = sum(not c.keep_gathered for c in gm.chunks)
+    assert releasable >= 6, releasable
+    # the chunks in use (a module's weights can span two) plus the prefetch window
+    assert most[0] <= 2 + max_prefetch, (most[0], releasable)
+
+
 def test_bf16_and_fp16_train_single_process() -> None:
     for precision in ("bf16", "fp16"):
         model = TinyTransformer()

@@ -211,6 +211,10 @@ class ChunkManager:
                 break
             c = self.chunks[idx]
             if c.gathered or c.pending is not None:
+                # a chunk prefetched earlier and not yet used counts against the window: the recorded order visits
+                # chunks more than once, and skipping it would issue one more gather at every access, until the
+                # whole model was gathered
+                issued += c.prefetched
                 continue
             if placer is not None and not placer.room_for_gather(c):
                 break
