@@ -19,7 +19,8 @@ them; ddp and fsdp gradients appear parameter by parameter, so the first layer's
 without its own and the input embedding's gradients, while zero's buckets and gemini's chunks are allocated whole.
 Activations come from ``cai.gemini.activation_bytes`` (tensor parallelism divides them by tp; the first pipeline
 stage holds pp micro-batches of its L/pp layers in 1F1B, one micro-batch of all layers). The host peak adds the
-process itself (``Hardware.host_base_bytes``, measured by calibration); models are built lazily (``LazyInitContext``) or on the device.
+process itself (``Hardware.host_base_bytes``, measured by calibration); models are built lazily
+(``LazyInitContext``) or on the device.
 """
 
 from __future__ import annotations
@@ -67,18 +68,10 @@ def estimate_candidate(
     gpu = device == "cuda"
     shard = c.tp * c.pp  # ranks one replica's model is cut over
     P = spec.params / shard
-    act = activation_bytes(
-        spec.shape,
-        c.micro_batch,
-        seq,
-        recompute=c.recompute,
-        wbytes=wb,
-        fused_loss=kernels,
-        fused_norms=kernels,
-    )
-    if (
-        shard > 1
-    ):  # per layer work and the vocabulary split over tp; a pp stage holds pp micro-batches of L/pp
+    act = activation_bytes(spec.shape, c.micro_batch, seq, recompute=c.recompute, wbytes=wb, fused_loss=kernels,
+                           fused_norms=kernels)  # fmt: skip
+    if shard > 1:
+        # per layer work and the vocabulary split over tp; a pp stage holds pp micro-batches of L/pp layers
         act = {k: int(v / c.tp) for k, v in act.items()}
     k = c.accumulation
     parts: dict[str, float] = {"saved activations": act["saved"], "workspace": _WORKSPACE_GPU if gpu else 0}
@@ -187,10 +180,9 @@ def _time(c: Candidate, spec: ModelSpec, hw: Hardware, *, seq: int, dp: int, wb:
         t["weight casts"] = k * traffic * P / (0.6 * hw.copy_gbs * 1e9)
     if c.pp > 1:  # 1F1B: (pp - 1) micro-batch slots idle out of k + pp - 1
         t["pipeline bubble"] = (c.pp - 1) * mb
-    if (
-        c.tp > 1
-    ):  # two all-reduces of the activations forward and two backward per layer (sequence parallel: the
-        # same bytes as all-gather + reduce-scatter), not overlapped
+    if c.tp > 1:
+        # two all-reduces of the activations forward and two backward per layer (sequence parallel: the same bytes
+        # as all-gather + reduce-scatter), not overlapped
         per_layer = 4 * tokens * spec.shape.hidden * wb * 2 * (c.tp - 1) / c.tp
         t["tensor-parallel comm"] = k * spec.shape.layers / c.pp * per_layer / bw
     # data-parallel communication, once per step (no_sync before the last micro-batch) except FSDP's gathers
@@ -199,9 +191,8 @@ def _time(c: Candidate, spec: ModelSpec, hw: Hardware, *, seq: int, dp: int, wb:
     if c.plugin == "ddp":
         comm = 2 * ring * 4 * P / bw
     elif c.plugin in ("zero1", "zero2", "hybrid"):
-        comm = (
-            2 if c.plugin != "zero2" else 1
-        ) * ring * wb * P / bw + ring * wb * P / bw  # reduce + all-gather
+        reduce = 1 if c.plugin == "zero2" else 2  # a reduce-scatter, or an all-reduce
+        comm = (reduce + 1) * ring * wb * P / bw  # and the all-gather of the updated parameters
     elif c.plugin == "fsdp":
         gathers = 3 if c.recompute == "full" else 2
         comm = k * (gathers * ring * wb * P + ring * 4 * P) / bw
