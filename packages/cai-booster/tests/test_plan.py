@@ -307,3 +307,12 @@ def test_cli_without_a_model_says_to_give_one(capsys) -> None:
 def test_cli_when_nothing_fits(capsys, no_stored_calibration) -> None:
     assert main(["plan", "--model", "70b", "--gpu-mem", "8", "--host-mem", "16"]) == 1
     assert "nothing fits" in capsys.readouterr().out
+
+
+def test_unknown_plugin_or_recompute_names_the_choices() -> None:
+    with pytest.raises(
+        ValueError, match=r"'zero3' unknown; plugins are ddp, fsdp, zero1, zero2, gemini, hybrid"
+    ):
+        plan("1b", plugins=("zero3",), hardware=H200)
+    with pytest.raises(ValueError, match=r"'partial' unknown.*recompute policies none, selective, full"):
+        plan("1b", recompute=("partial",), hardware=H200)

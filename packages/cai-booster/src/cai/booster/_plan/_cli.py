@@ -86,12 +86,12 @@ def plan_command(args: argparse.Namespace) -> int:
             plugins=plugins,
         )
     except ValueError as e:
-        print(f"cai plan: {e}", file=sys.stderr)
+        print(f"cai plan: {str(e).removeprefix('plan: ')}", file=sys.stderr)
         return 2
     if args.json:
         print(p.dumps())
     else:
-        print(str(p).replace(p.table(), p.table(limit=args.top or None)))
+        print(p.render(limit=args.top or None))
     if args.plot:
         p.plot(args.plot)
         print(f"cai plan: wrote {args.plot}", file=sys.stderr)

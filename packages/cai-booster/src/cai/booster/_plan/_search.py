@@ -18,6 +18,7 @@ __all__ = ["Plan", "PlanRow", "plan"]
 
 GiB = 1024**3
 RECOMPUTE = ("none", "selective", "full")
+PLUGINS = ("ddp", "fsdp", "zero1", "zero2", "gemini", "hybrid")
 # A configuration that offloads to the host must be predicted this much faster to rank above one that does not: the
 # model does not price the host threads' interference with the training process, and the host's bandwidth varied by
 # about 5% between runs on the same machine (examples/benchmarks/RESULTS.md).
@@ -137,6 +138,10 @@ class Plan:
         )
 
     def __str__(self) -> str:
+        return self.render()
+
+    def render(self, limit: int | None = 15) -> str:
+        """The inputs, the table of the leading ``limit`` feasible rows (None: all), and the summary line."""
         s = self.model.shape
         head = (
             f"{self.model.name}: {self.model.params / 1e9:.2f}B parameters (h{s.hidden} L{s.layers} vocab {s.vocab}), "
@@ -144,7 +149,7 @@ class Plan:
             f"budgets {self.gpu_budget_bytes / GiB:.1f} GiB GPU, {self.host_budget_bytes / GiB:.1f} GiB host; "
             f"rates: {self.hardware.source}"
         )
-        return f"{head}\n\n{self.table()}\n\n{self.summary()}"
+        return f"{head}\n\n{self.table(limit)}\n\n{self.summary()}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -289,6 +294,12 @@ def plan(
         print(p)                 # the table, then the best configuration and why
         plugin = p.best.candidate.plugin_call("bf16").build()
     """
+    unknown = sorted(set(plugins or ()) - set(PLUGINS)) + sorted(set(recompute) - set(RECOMPUTE))
+    if unknown:
+        raise ValueError(
+            f"plan: {', '.join(map(repr, unknown))} unknown; plugins are {', '.join(PLUGINS)} and recompute "
+            f"policies {', '.join(RECOMPUTE)}"
+        )
     spec = ModelSpec.resolve(model)
     hw = hardware or Hardware.load() or Hardware.h200()
     global_batch = global_batch or 8 * gpus
