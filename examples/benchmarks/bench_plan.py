@@ -16,6 +16,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -109,7 +110,7 @@ def measure(row: Row, args: argparse.Namespace) -> dict:
     def step() -> None:
         for i, b in enumerate(batches):
             last = i == len(batches) - 1
-            with booster.no_sync(model, opt) if not last else _null():
+            with booster.no_sync(model, opt) if not last else contextlib.nullcontext():
                 loss = model(input_ids=b, labels=b).loss / len(batches)
                 booster.backward(loss, opt)
         opt.step()
@@ -149,14 +150,6 @@ def _host_peak_bytes() -> int:
     carries over the parent's peak at fork."""
     with open("/proc/self/status") as f:
         return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def predict(row: Row, args: argparse.Namespace, hw) -> dict:

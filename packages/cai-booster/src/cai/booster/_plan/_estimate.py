@@ -89,9 +89,7 @@ def estimate_candidate(
         if c.recompute == "none" and wb == 2:
             parts["autocast weight copies"] = wb * (spec.matmul_params / shard)
     elif c.plugin == "fsdp":
-        s = spec.shape
-        root = (1 if spec.tied else 2) * s.vocab * s.hidden
-        layer = (spec.params - root) / s.layers
+        root, layer = spec.root_params, spec.layer_params
         parts["fp32 shards+adam"] = 12 * P / dp
         # the root (embeddings, head) stays gathered from forward to the end of backward; two decoder layers are
         # gathered at a time, in backward beside the gradients (after forward they are resharded)
@@ -154,10 +152,8 @@ def _late_share(spec: ModelSpec) -> float:
     """The share of per-parameter gradients (ddp, fsdp) that backward produces after it has begun the first decoder
     layer: that layer's and, unless tied to the head, the input embedding's. The first layer's recomputation is
     the last, so it runs beside all the other gradients but not these."""
-    s = spec.shape
-    embedding = 0 if spec.tied else s.vocab * s.hidden
-    layer = (spec.params - (2 - spec.tied) * s.vocab * s.hidden) / s.layers
-    return (embedding + layer) / spec.params
+    embedding = 0 if spec.tied else spec.shape.vocab * spec.shape.hidden
+    return (embedding + spec.layer_params) / spec.params
 
 
 def _time(c: Candidate, spec: ModelSpec, hw: Hardware, *, seq: int, dp: int, wb: int, kernels: bool) -> dict:

@@ -144,6 +144,18 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def available_host_bytes() -> int:
+    """Host memory available to a new process now (MemAvailable), else all of it."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _host_mem_bytes()  # no /proc/meminfo: all of it
+
+
 def _peak_tflops(name: str) -> float | None:
     """Dense bf16 peak of the GPUs whose MFU people quote (H100 and H200 SXM: 989 TFLOP/s; A100: 312)."""
     for key, tflops in (("H100", 989.0), ("H200", 989.0), ("H20", 148.0), ("A100", 312.0)):

@@ -51,6 +51,18 @@ class ModelSpec:
         s = self.shape
         return self.params - (0 if self.tied else s.vocab * s.hidden)
 
+    @property
+    def root_params(self) -> int:
+        """The embeddings and the output head (one tensor when tied): the parameters outside the decoder layers
+        but for the final norm."""
+        s = self.shape
+        return (1 if self.tied else 2) * s.vocab * s.hidden
+
+    @property
+    def layer_params(self) -> float:
+        """Parameters of one decoder layer (the final norm spread over the layers)."""
+        return (self.params - self.root_params) / self.shape.layers
+
     @classmethod
     def from_shape(cls, shape: TransformerShape, *, name: str = "custom", tied: bool = False) -> ModelSpec:
         """The parameter tensors of a Llama-style model of this shape (attention without biases, SwiGLU MLP), in

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cai.booster._plan._hardware import available_host_bytes
 from cai.booster._precision import check_precision
 from cai.booster.plugin._base import BoostContext, Boosted, Capabilities, DPPluginBase, Plugin
 from cai.mesh import get_dist_logger
@@ -123,7 +124,7 @@ class AutoPlugin(DPPluginBase):
         """This job's budgets: given, or what is free now; the smallest over the ranks, so that every rank plans
         the same configuration (ranks that chose different plugins would hang in their first collective)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        host = self.host_budget_bytes or _available_host_bytes()
+        host = self.host_budget_bytes or available_host_bytes()
         if device.type == "cuda":
             gpu = self.gpu_budget_bytes or torch.cuda.mem_get_info(device)[0]
         else:  # the "device" is the host, shared by the local ranks
@@ -165,14 +166,3 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, (list, tuple)):
         return next((t for t in map(_first_tensor, batch) if t is not None), None)
     return None
-
-
-def _available_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
