@@ -11,6 +11,9 @@ Examples::
     python examples/benchmarks/bench_plan.py --calibrate                      # every row, one H200
     python examples/benchmarks/bench_plan.py --rows 1b-zero2,3b-gemini-host16  # some rows
     python examples/benchmarks/bench_plan.py --rows tiny-zero2 --device cpu    # CPU smoke
+    # the planner's pick for 8b on 24 GiB of GPU and 120 GiB of host, run with the allocator capped at 24 GiB
+    python examples/benchmarks/bench_plan.py --pick 8b --gpu-mem 24 --host-mem 120 --gpu-cap 24
+    python examples/benchmarks/bench_plan.py --pick 8b --largest --gpu-mem 132   # the deepest 8b-wide model that fits
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ GiB = 1024**3
 @dataclass(frozen=True)
 class Row:
     name: str
-    model: str  # preset of examples/_models.py and of the planner
+    model: str  # preset of examples/_models.py and of the planner, or a model directory
     candidate: dict  # cai.booster._plan.Candidate fields
 
 
@@ -81,6 +84,11 @@ def measure(row: Row, args: argparse.Namespace) -> dict:
     launch_from_torch(seed=1234, verbose=False)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if (
+        cuda and args.gpu_cap
+    ):  # the allocator may hold no more than the budget (it frees its cache and retries)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.gpu_cap * GiB / total, torch.cuda.current_device())
     precision = "bf16" if cuda else "fp32"
     c = Candidate(**row.candidate)
     config = preset_config(row.model, max_seq=args.seq)
@@ -145,6 +153,12 @@ def measure(row: Row, args: argparse.Namespace) -> dict:
     }
 
 
+def _error_line(stderr: str) -> str:
+    """The exception of a failed child: its last line that names an error (warnings at exit come after it)."""
+    lines = stderr.strip().splitlines() or ["?"]
+    return next((x for x in reversed(lines) if "Error" in x), lines[-1])[:200]
+
+
 def _host_peak_bytes() -> int:
     """This process's peak resident set: VmHWM belongs to the address space made at exec, whereas ru_maxrss
     carries over the parent's peak at fork."""
@@ -182,11 +196,29 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--calibrate", action="store_true", help="measure the machine first and store it")
+    ap.add_argument(
+        "--gpu-cap",
+        type=float,
+        default=None,
+        help="GiB the allocator may hold (torch's per-process fraction)",
+    )
+    ap.add_argument(
+        "--pick",
+        default=None,
+        metavar="MODEL",
+        help="instead of --rows: run the configuration `cai plan` picks for MODEL under --gpu-mem, --host-mem and "
+        "--global-batch",
+    )
+    ap.add_argument(
+        "--largest", action="store_true", help="with --pick: the deepest model of MODEL's width that fits"
+    )
+    ap.add_argument("--gpu-mem", type=float, default=None, help="GiB of GPU budget for --pick")
+    ap.add_argument("--host-mem", type=float, default=None, help="GiB of host budget for --pick")
+    ap.add_argument("--global-batch", type=int, default=None, help="sequences a step for --pick")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    by_name = {r.name: r for r in ROWS}
     if args.child:
-        print("RESULT " + json.dumps(measure(by_name[args.child], args)), flush=True)
+        print("RESULT " + json.dumps(measure(Row(**json.loads(args.child)), args)), flush=True)
         return
     from cai.booster._plan import Hardware, calibrate
 
@@ -195,19 +227,27 @@ def main() -> None:
         hw = calibrate(log=lambda m: print(m, flush=True))
         print(f"stored in {hw.save()}: {json.dumps(hw.to_json())}", flush=True)
     hw = hw or Hardware.load() or Hardware.h200()
-    names = args.rows.split(",") if args.rows else [r.name for r in ROWS if not r.name.startswith("tiny")]
+    by_name = {r.name: r for r in ROWS}
+    if args.pick:
+        rows = [picked_row(args, hw)]
+    else:
+        names = args.rows.split(",") if args.rows else [r.name for r in ROWS if not r.name.startswith("tiny")]
+        rows = [by_name[name] for name in names]
     results = []
-    for name in names:
-        row = by_name[name]
+    for row in rows:
+        name = row.name
         pred = predict(row, args, hw)
-        cmd = [sys.executable, __file__, "--child", name, "--seq", str(args.seq), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--device", args.device] + ([] if args.kernels else ["--no-kernels"])  # fmt: skip
+        cmd = [sys.executable, __file__, "--child", json.dumps(asdict(row)), "--seq", str(args.seq),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]  # fmt: skip
+        cmd += ([] if args.kernels else ["--no-kernels"]) + (
+            ["--gpu-cap", str(args.gpu_cap)] if args.gpu_cap else []
+        )
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        meas = (
-            json.loads(line[7:]) if line else {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:160]}
-        )
+        meas = json.loads(line[7:]) if line else {"error": _error_line(proc.stderr)}
+        if not line:
+            print(proc.stderr[-4000:], flush=True)
         results.append({"row": asdict(row), "predicted": pred, "measured": meas})
         print(f"{name}: {time.time() - t0:.0f} s; predicted {pred}; measured {meas}", flush=True)
     print(f"\n{hw.device}; rates: {hw.source}; sequence {args.seq}\n")
@@ -217,6 +257,40 @@ def main() -> None:
         path = Path(out) / "bench_plan.json"
         path.write_text(json.dumps({"hardware": hw.to_json(), "results": results}, indent=2))
         print(f"wrote {path}")
+
+
+def picked_row(args: argparse.Namespace, hw) -> Row:
+    """The plan's best configuration of ``args.pick`` under the budgets; with ``--largest``, of the deepest
+    model of its width that fits, whose config is written to a temporary model directory."""
+    import tempfile
+
+    from _models import preset_config
+
+    from cai.booster._plan import largest_model, plan
+
+    budgets = dict(
+        gpu_budget_bytes=int(args.gpu_mem * GiB) if args.gpu_mem else None,
+        host_budget_bytes=int(args.host_mem * GiB) if args.host_mem else None,
+        global_batch=args.global_batch,
+        seq_len=args.seq,
+        hardware=hw,
+        kernels=args.kernels,
+    )
+    if args.largest:
+        p = largest_model(args.pick, log=lambda m: print(m, flush=True), **budgets)
+    else:
+        p = plan(args.pick, **budgets)
+    print(p.render(limit=5), flush=True)
+    if p.best is None:
+        raise SystemExit(f"bench_plan: {p.summary()}")
+    model, name = args.pick, f"{args.pick} pick"
+    if args.largest:
+        config = preset_config(args.pick, max_seq=args.seq)
+        config.num_hidden_layers = p.model.shape.layers
+        model = tempfile.mkdtemp(prefix="cai-largest-")
+        config.save_pretrained(model)
+        name = f"largest {args.pick} ({p.model.shape.layers} layers, {p.model.params / 1e9:.2f}B)"
+    return Row(name, model, asdict(p.best.candidate))
 
 
 def table(results: list[dict]) -> str:

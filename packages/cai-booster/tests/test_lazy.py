@@ -133,3 +133,21 @@ def test_lazy_model_without_pretrained_is_initialised(plugin: str) -> None:
     assert all(r["finite"] for r in results)
     if plugin == "zero":  # replicated: every rank holds the same initial values
         assert torch.equal(results[0]["qkv"], results[1]["qkv"])
+
+
+def test_gemini_materialises_on_the_host_what_the_device_cannot_hold(monkeypatch) -> None:
+    # Gemini moves each parameter into its chunk as it builds them: a lazy model larger than the device, or one
+    # whose parameters go to the host, is materialised on the host first rather than whole on the device.
+    from cai.booster.plugin import GeminiPlugin, _gemini
+
+    with LazyInitContext():
+        model = TinyTransformer()
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    plugin = GeminiPlugin(precision="bf16")
+    monkeypatch.setattr(_gemini, "free_device_bytes", lambda device: 2 * size)
+    assert plugin._materialize_on(model, cuda) == cuda
+    monkeypatch.setattr(_gemini, "free_device_bytes", lambda device: size)
+    assert plugin._materialize_on(model, cuda) == cpu
+    assert GeminiPlugin(precision="bf16", offload_param_frac=1.0)._materialize_on(model, cuda) == cpu
+    assert plugin._materialize_on(model, cpu) == cpu

@@ -13,7 +13,15 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cai.booster import Booster, Hardware, ModelSpec, activation_checkpointing, calibrate, plan
+from cai.booster import (
+    Booster,
+    Hardware,
+    ModelSpec,
+    activation_checkpointing,
+    calibrate,
+    largest_model,
+    plan,
+)
 from cai.booster._plan import Candidate
 from cai.booster._plan._spec import PRESETS
 from cai.gemini import TransformerShape
@@ -245,6 +253,20 @@ def test_accumulation_amortises_the_host_optimizer() -> None:
         assert costs[0] > costs[1] > costs[2], (plugin, costs)
 
 
+def test_largest_model_is_the_deepest_that_fits() -> None:
+    budgets = dict(
+        gpu_budget_bytes=24 * GiB, host_budget_bytes=64 * GiB, hardware=H200, plugins=("zero2", "gemini")
+    )
+    p = largest_model("8b", **budgets)
+    s = p.model.shape
+    assert p.best is not None and s.layers > 1
+    assert (s.hidden, s.ffn, s.vocab, s.heads, s.kv_heads) == (4096, 14336, 128256, 32, 8)  # 8b's width
+    deeper = ModelSpec.from_shape(dataclasses.replace(s, layers=s.layers + 1))
+    assert plan(deeper, **budgets).best is None
+    with pytest.raises(ValueError, match="not one decoder layer of 70b's width fits"):
+        largest_model("70b", gpu_budget_bytes=2 * GiB, host_budget_bytes=4 * GiB, hardware=H200)
+
+
 def test_hardware_is_stored_per_device(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CAI_CACHE_DIR", str(tmp_path))
     other = dataclasses.replace(H200, device="another GPU", copy_gbs=1000.0)
@@ -302,6 +324,16 @@ def test_cli_json_has_the_best_row(capsys, no_stored_calibration) -> None:
 def test_cli_without_a_model_says_to_give_one(capsys) -> None:
     assert main(["plan"]) == 2
     assert "give --model" in capsys.readouterr().err
+
+
+def test_cli_largest_names_the_model_it_found(capsys, no_stored_calibration) -> None:
+    assert (
+        main(["plan", "--model", "3b", "--largest", "--gpu-mem", "24", "--host-mem", "64", "--top", "1"]) == 0
+    )
+    captured = capsys.readouterr()
+    p = largest_model("3b", gpu_budget_bytes=24 * GiB, host_budget_bytes=64 * GiB, hardware=H200)
+    assert captured.out.startswith(f"largest model that fits: {p.model.shape.layers} layers")
+    assert "does not fit" in captured.err  # the search's progress
 
 
 def test_cli_when_nothing_fits(capsys, no_stored_calibration) -> None:

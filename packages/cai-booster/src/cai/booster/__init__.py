@@ -1,6 +1,6 @@
 """cai-booster: the Booster facade and plugins (TorchDDP, TorchFSDP, LowLevelZero, Gemini), mixed precision,
 lazy initialisation, resumable distributed data loading, LoRA, activation checkpointing, and the planner (``plan``,
-``cai plan``, ``Booster(plugin="auto")``)."""
+``largest_model``, ``cai plan``, ``Booster(plugin="auto")``)."""
 
 from importlib.metadata import version as _version
 
@@ -8,7 +8,7 @@ from cai.booster._booster import Booster
 from cai.booster._checkpointing import activation_checkpointing
 from cai.booster._dataloader import ResumableDataLoader, StatefulDistributedSampler, prepare_dataloader
 from cai.booster._lazy import LazyInitContext, set_pretrained_path
-from cai.booster._plan import Hardware, ModelSpec, Plan, calibrate, plan
+from cai.booster._plan import Hardware, ModelSpec, Plan, calibrate, largest_model, plan
 from cai.booster._precision import (
     DynamicLossScaler,
     LossScalerConfig,
@@ -35,6 +35,7 @@ __all__ = [
     "__version__",
     "activation_checkpointing",
     "calibrate",
+    "largest_model",
     "mixed_precision_factory",
     "plan",
     "prepare_dataloader",

@@ -2,7 +2,7 @@
 
 from cai.booster._plan._candidate import Candidate
 from cai.booster._plan._hardware import Hardware, calibrate
-from cai.booster._plan._search import Plan, PlanRow, plan
+from cai.booster._plan._search import Plan, PlanRow, largest_model, plan
 from cai.booster._plan._spec import ModelSpec
 
-__all__ = ["Candidate", "Hardware", "ModelSpec", "Plan", "PlanRow", "calibrate", "plan"]
+__all__ = ["Candidate", "Hardware", "ModelSpec", "Plan", "PlanRow", "calibrate", "largest_model", "plan"]

@@ -36,6 +36,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plugins", default=None, help="comma list to consider (ddp,fsdp,zero1,zero2,gemini,hybrid)"
     )
+    p.add_argument(
+        "--largest",
+        action="store_true",
+        help="find the most decoder layers of MODEL's width that still fit the budgets, and plan that model",
+    )
     p.add_argument("--top", type=int, default=15, help="rows of the table (0: every feasible row)")
     p.add_argument("--json", action="store_true", help="print every row as JSON instead of the table")
     p.add_argument(
@@ -53,7 +58,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def plan_command(args: argparse.Namespace) -> int:
     import json
 
-    from cai.booster._plan import Hardware, calibrate, plan
+    from cai.booster._plan import Hardware, calibrate, largest_model, plan
 
     hw = None
     if args.hardware:
@@ -73,7 +78,9 @@ def plan_command(args: argparse.Namespace) -> int:
         return 2
     plugins = tuple(x for x in args.plugins.split(",") if x) if args.plugins else None
     try:
-        p = plan(
+        search = largest_model if args.largest else plan
+        extra = {"log": lambda m: print(f"cai plan: {m}", file=sys.stderr)} if args.largest else {}
+        p = search(
             args.model,
             gpu_budget_bytes=int(args.gpu_mem * GiB) if args.gpu_mem else None,
             host_budget_bytes=int(args.host_mem * GiB) if args.host_mem else None,
@@ -84,6 +91,7 @@ def plan_command(args: argparse.Namespace) -> int:
             kernels=not args.no_kernels,
             hardware=hw,
             plugins=plugins,
+            **extra,
         )
     except ValueError as e:
         print(f"cai plan: {str(e).removeprefix('plan: ')}", file=sys.stderr)
@@ -91,6 +99,10 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(p.dumps())
     else:
+        if args.largest:
+            print(
+                f"largest model that fits: {p.model.shape.layers} layers, {p.model.params / 1e9:.2f}B parameters\n"
+            )
         print(p.render(limit=args.top or None))
     if args.plot:
         p.plot(args.plot)

@@ -28,6 +28,9 @@ import torch
 __all__ = ["Hardware", "calibrate", "calibration_path"]
 
 GiB = 1024**3
+# bytes the host Adam moves a parameter: fp32 master, first and second moments read and written, the bf16 gradient
+# read and the bf16 working copy written
+ADAM_BYTES = 3 * 2 * 4 + 2 + 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +44,8 @@ class Hardware:
         attention_tflops: causal flash attention forward + backward, counting the causal half of the work.
         copy_gbs: device memory bandwidth (a device-to-device copy, bytes read plus written).
         pcie_gbs: pinned host<->device copies, the slower direction.
-        host_copy_gbs: host memory bandwidth (a large host copy, bytes read plus written).
+        host_copy_gbs: host memory bandwidth: the faster of a large copy and a large ``a + b`` over every core,
+            bytes read plus written.
         host_adam_params_per_s: cai-kernels' host Adam, parameters a second with every host core.
         comm_gbs: all-reduce bus bandwidth between this host's GPUs (assumed unless calibrated on several).
         step_overhead: a measured small-model step over its predicted time (see [Note: calibration]).
@@ -224,6 +228,14 @@ def _copy_gbs(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / _timed(lambda: dst.copy_(src), device) / 1e9
 
 
+def _host_bandwidth_gbs(nbytes: int) -> float:
+    """Host memory bandwidth: the faster of a copy and ``c = a + b`` (three streams) over ``nbytes`` arrays."""
+    a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+    c = torch.empty_like(a)
+    cpu = torch.device("cpu")
+    return max(_copy_gbs(cpu, nbytes), 3 * nbytes / _timed(lambda: torch.add(a, b, out=c), cpu) / 1e9)
+
+
 def _pcie_gbs(device: torch.device, nbytes: int) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -288,10 +300,15 @@ def calibrate(*, device: torch.device | str | None = None, anchor: bool = True, 
     attention = _attention_tflops(dev, dtype)
     say("calibrating: memory bandwidth and host<->device copies")
     copy = _copy_gbs(dev, GiB if gpu else 256 * 2**20)
-    host_copy = _copy_gbs(torch.device("cpu"), GiB) if gpu else copy  # on the CPU the device is the host
+    host_copy = _host_bandwidth_gbs(GiB) if gpu else copy  # on the CPU the device is the host
     pcie = _pcie_gbs(dev, GiB) if gpu else host_copy
     say("calibrating: host Adam")
     adam = _host_adam_params_per_s(2 * 10**8 if gpu else 2 * 10**7)
+    say(
+        f"calibrating: the host Adam steps {adam / 1e9:.2f}G parameters/s, moving {adam * ADAM_BYTES / 1e9:.0f} GB/s "
+        f"({ADAM_BYTES} bytes a parameter): {adam * ADAM_BYTES / 1e9 / host_copy:.0%} of the host's "
+        f"{host_copy:.0f} GB/s"
+    )
     comm = _comm_gbs(dev)
     hw = Hardware(
         device=_device_name() if gpu else "cpu",

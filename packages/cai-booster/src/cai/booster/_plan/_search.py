@@ -4,7 +4,7 @@ time, the fastest one that fits first."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -14,7 +14,7 @@ from cai.booster._plan._estimate import Estimate, estimate_candidate
 from cai.booster._plan._hardware import Hardware
 from cai.booster._plan._spec import ModelSpec
 
-__all__ = ["Plan", "PlanRow", "plan"]
+__all__ = ["Plan", "PlanRow", "largest_model", "plan"]
 
 GiB = 1024**3
 RECOMPUTE = ("none", "selective", "full")
@@ -23,7 +23,7 @@ PLUGINS = ("ddp", "fsdp", "zero1", "zero2", "gemini", "hybrid")
 # model does not price the host threads' interference with the training process, and the host's bandwidth varied by
 # about 5% between runs on the same machine (examples/benchmarks/RESULTS.md).
 OFFLOAD_MARGIN = 0.02
-GEMINI_OPTIM_FRACS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
+GEMINI_OPTIM_FRACS = tuple(i / 10 for i in range(11))  # the share of the optimizer on the host
 
 
 @dataclass(frozen=True)
@@ -331,3 +331,45 @@ def plan(
         )
     rows.sort(key=lambda r: (not r.fits, -r.score if r.fits else r.gpu_bytes))
     return Plan(spec, hw, rows, gpus, seq_len, global_batch, precision, gpu_budget, host_budget)
+
+
+def largest_model(model: str | nn.Module | ModelSpec, *, log=None, **plan_kwargs: Any) -> Plan:
+    """The plan of the deepest model of ``model``'s width that some configuration fits: ``model``'s hidden, MLP,
+    head and vocabulary sizes as a Llama-style model, its decoder layers grown (or shrunk) to the most that
+    ``plan(..., **plan_kwargs)`` still finds a feasible row for. ``plan.model`` is that model (``.params``,
+    ``.shape.layers``). Raises ``ValueError`` when not even one layer fits.
+
+    Example::
+
+        p = largest_model("8b", gpu_budget_bytes=139 * 2**30, host_budget_bytes=128 * 2**30)
+        print(p.model.params, p.best.candidate.label)
+    """
+    base = ModelSpec.resolve(model)
+    plans: dict[int, Plan] = {}
+
+    def fits(layers: int) -> bool:
+        if layers not in plans:
+            spec = ModelSpec.from_shape(
+                replace(base.shape, layers=layers), name=f"{base.name} at {layers} layers", tied=base.tied
+            )
+            plans[layers] = plan(spec, **plan_kwargs)
+            if log:
+                p = plans[layers]
+                log(
+                    f"{layers} layers, {spec.params / 1e9:.2f}B parameters: {'fits' if p.best else 'does not fit'}"
+                )
+        return plans[layers].best is not None
+
+    lo, hi = 0, base.shape.layers  # lo fits (0: none known), hi does not (once found)
+    if fits(hi):
+        lo, hi = hi, 2 * hi
+        while fits(hi):
+            lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if lo == 0:
+        raise ValueError(
+            f"largest_model: not one decoder layer of {base.name}'s width fits: {plans[1].summary()}"
+        )
+    return plans[lo]

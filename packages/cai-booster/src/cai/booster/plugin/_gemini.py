@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from cai.booster._lazy import is_lazy
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
 from cai.booster.plugin._base import (
     BoostContext,
@@ -109,8 +110,8 @@ class GeminiPlugin(DPPluginBase):
             convert_to_fp8(model)
         names = param_names(model)
         # A lazy model is materialised whole on each rank before chunking (cai-gemini builds chunks from real
-        # parameters); pretrained weights are read then.
-        place_replicated(model, ctx)
+        # parameters, moving each to its chunk as it goes); pretrained weights are read then.
+        place_replicated(model, ctx, self._materialize_on(model, ctx.device))
         if optimizer is not None:
             rebind_optimizer(optimizer, names, dict(model.named_parameters(remove_duplicate=False)))
         gm, go = shard(model, optimizer, config=self.config, device=ctx.device)
@@ -121,6 +122,17 @@ class GeminiPlugin(DPPluginBase):
             boosted_opt = GeminiOptimizerWrapper(go, gm)
             boosted_opt.boosted_model = boosted_model
         return boosted_model, boosted_opt, criterion, dataloader, lr_scheduler
+
+    def _materialize_on(self, model: nn.Module, device: torch.device) -> torch.device:
+        """Where a lazy model is materialised before chunking: the host when parameters are to be offloaded or
+        the whole model (in its construction dtype, often fp32) would take more than 80% of the device's free
+        memory, else ``device``. Training may need far less device memory than the whole model does."""
+        if device.type != "cuda" or not is_lazy(model):
+            return device
+        if self.config.offload_param_frac > 0:
+            return torch.device("cpu")
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        return device if size <= 0.8 * free_device_bytes(device) else torch.device("cpu")
 
     @contextlib.contextmanager
     def no_sync(self, model: ModelWrapper, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
@@ -223,3 +235,14 @@ class GeminiOptimizerWrapper(OptimizerWrapper):
     def no_sync(self) -> Iterator[None]:
         with self.gm.no_sync():
             yield
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes this process may still take on the CUDA ``device``: the driver's free memory plus what the caching
+    allocator holds unused, within ``torch.cuda.set_per_process_memory_fraction``'s cap."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    unused = reserved - torch.cuda.memory_allocated(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    cap = int(get_fraction(device) * total) if get_fraction else total
+    return min(free + unused, cap - reserved + unused)

@@ -137,12 +137,14 @@ class TorchDDPPlugin(DPPluginBase):
             yield
 
 
-def place_replicated(model: nn.Module, ctx: BoostContext) -> None:
-    """Put a whole (replicated) model on ``ctx.device``: materialise it if lazy, then load pretrained weights."""
+def place_replicated(model: nn.Module, ctx: BoostContext, device: torch.device | None = None) -> None:
+    """Put a whole (replicated) model on ``device`` (default ``ctx.device``): materialise it if lazy, then load
+    pretrained weights."""
+    device = device or ctx.device
     random_init = is_lazy(model) and ctx.pretrained is None
     if is_lazy(model):
-        materialize(model, ctx.device, init=ctx.pretrained is None)
-    model.to(ctx.device)
+        materialize(model, device, init=ctx.pretrained is None)
+    model.to(device)
     if random_init and dist.is_initialized() and dist.get_world_size() > 1:
         # Replicas must start equal even if the ranks' RNGs differ; once, at boost time (the check before
         # configure() skipped these parameters while they were lazy: [Note: replicas agree at boost]).
