@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cai.kernels import SwiGLUMLP, swiglu
+from cai.kernels import SwiGLUMLP, swiglu, swiglu_packed
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -28,13 +28,30 @@ def test_swiglu_matches_float64(shape, dtype, impl, device):
         assert err <= TOL[dtype] * r.abs().max().item(), f"{name}: {err}"
 
 
-def test_mlp_takes_over_linears(impl):
-    gate, up, down = torch.nn.Linear(8, 12), torch.nn.Linear(8, 12), torch.nn.Linear(12, 8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2,), (3, 14), (2, 5, 200), (1, 4100)], ids=str)
+def test_swiglu_packed_matches_float64(shape, dtype, impl, device):
+    # [gate | up] along the last dimension, as one matmul makes them; also a strided view of a wider row
+    g = torch.Generator().manual_seed(2)
+    wide = (torch.randn(*shape[:-1], shape[-1] + 6, generator=g) * 3).to(device=device, dtype=dtype)
+    for x in (wide[..., : shape[-1]].contiguous(), wide[..., 3 : 3 + shape[-1]]):
+        f = shape[-1] // 2
+        with torch.no_grad():
+            c = swiglu_packed(x)
+        ref = F.silu(x[..., :f].double()) * x[..., f:].double()
+        assert c.dtype == dtype and c.shape == ref.shape
+        assert (c.double() - ref).abs().max().item() <= TOL[dtype] * ref.abs().max().item()
+    with pytest.raises(ValueError, match="must be even"):
+        swiglu_packed(torch.ones(3, 5, device=device, dtype=dtype))
+
+
+def test_mlp_takes_over_linears(impl, device):
+    gate, up, down = (torch.nn.Linear(i, o, device=device) for i, o in ((8, 12), (8, 12), (12, 8)))
     mlp = SwiGLUMLP(gate, up, down)
     assert mlp.gate_proj is gate and list(dict(mlp.named_parameters())) == [
         "gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias", "down_proj.weight", "down_proj.bias",
     ]  # fmt: skip
-    x = torch.randn(3, 8)
+    x = torch.randn(3, 8, device=device)
     torch.testing.assert_close(mlp(x), down(F.silu(gate(x)) * up(x)), rtol=1e-5, atol=1e-6)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from cai.kernels import paged_attention
+from cai.kernels import paged_attention, paged_kv_write
 
 ATTENTION_NAME = "cai_paged"
 
@@ -175,8 +175,7 @@ def _hf_paged_attention(
             "token; the cache is sized from the model's config (divided by tp_size when sharded), so this model's "
             "attention splits its kv heads in a way the engine does not know"
         )
-    k_cache[cai_paged.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)  # (T, nkv, hd)
-    v_cache[cai_paged.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
+    paged_kv_write(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, cai_paged.slot_mapping)
     out = paged_attention(
         query[0].transpose(0, 1),  # (T, heads, hd)
         k_cache,

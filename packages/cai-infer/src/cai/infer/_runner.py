@@ -3,13 +3,14 @@ captured CUDA graphs.
 
 [Note: decode graphs]
 A decode step (every sequence brings one token, no drafts) has the same shapes whatever its contents, once the
-batch is padded up to one of a few sizes. ``DecodeGraphs`` keeps static device buffers for the largest size (token
-ids, positions, cache slots, block tables as wide as the longest sequence, tokens computed; the query starts are
-``arange``, one token a sequence) and captures one CUDA graph per size, the largest first, all in one memory pool:
-the whole model forward, with the paged attention reading its inputs from those buffers. A step copies its
-sequences' rows into the buffers (one host-to-device copy), fills the padding rows with a sequence of one token
-at position 0 in the cache's scratch block, replays the graph of the smallest size that holds the batch and keeps
-the first rows of the logits. The split-K count of the attention is fixed per size at capture, from the longest
+batch is padded up to one of a few sizes. ``DecodeGraphs`` keeps one static int32 device buffer per size, laid out
+as the host builds a step's inputs (block tables as wide as the longest sequence, tokens computed, token ids, cache
+slots, positions; the query starts are ``arange``, one token a sequence), and captures one CUDA graph per size, the
+largest first, all in one memory pool: the whole model forward up to fp32 logits, with the paged attention reading
+its inputs from that size's buffer. A step writes its sequences' rows into a pinned staging buffer, fills the
+padding rows with a sequence of one token at position 0 in the cache's scratch block, sends it up in one
+host-to-device copy, replays the graph of the smallest size that holds the batch and keeps the first rows of the
+logits. The split-K count of the attention is fixed per size at capture, from the longest
 possible context; splits past a sequence's end see no keys and weigh nothing. Prefill and mixed steps, and steps
 with drafts, run eagerly. Off CUDA the same padded buffers run eagerly (``capture=False``), which is how the
 padding is tested on CPU.
@@ -57,6 +58,16 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted(sizes | {max_batch_size})
 
 
+class _GraphInputs:
+    """The static int32 inputs of one graph size ``b``, in one buffer laid out as the host builds them: block tables
+    (b x max_blocks), tokens computed (b), token ids (b), slots (b), positions (b)."""
+
+    def __init__(self, b: int, max_blocks: int, device: torch.device) -> None:
+        self.flat = torch.zeros(b * max_blocks + 4 * b, dtype=torch.int32, device=device)
+        self.tables = self.flat[: b * max_blocks].view(b, max_blocks)
+        self.computed, self.ids, self.slots, self.positions = self.flat[b * max_blocks :].view(4, b).unbind(0)
+
+
 class DecodeGraphs:
     """Captured decode forwards for the batch sizes in ``sizes`` (see [Note: decode graphs])."""
 
@@ -69,45 +80,46 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.capture = capture
         dev = cache.device
+        self._inputs = {b: _GraphInputs(b, max_blocks, dev) for b in self.sizes}
         b = self.sizes[-1]
-        # one int32 buffer: tables (b x max_blocks), tokens computed (b), token ids (b), slots (b), positions (b)
-        self._flat = torch.zeros(b * max_blocks + 4 * b, dtype=torch.int32, device=dev)
-        self._tables = self._flat[: b * max_blocks].view(b, max_blocks)
-        rest = self._flat[b * max_blocks :]
-        self._computed, ids, slots, positions = rest.view(4, b).unbind(0)
-        # HF embeddings and index_put want int64 token ids, positions and slots: int64 copies made inside the graph
-        self._ids, self._slots, self._positions = ids, slots, positions
         self._query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self._keep = torch.arange(b, device=dev)
+        # a step's inputs go up in one copy from this pinned buffer, once the previous step's copy has read it
+        self._staging = torch.empty_like(self._inputs[b].flat, device="cpu")
+        self._copied: torch.cuda.Event | None = None
+        if dev.type == "cuda":
+            self._staging = self._staging.pin_memory()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         if capture:
             self._capture_all()
 
     def _forward(self, b: int) -> torch.Tensor:
+        x = self._inputs[b]
         paged = PagedBatch(
             cache=self.cache,
-            slot_mapping=self._slots[:b].long(),
-            positions=self._positions[:b].long(),
-            block_tables=self._tables[:b],
+            slot_mapping=x.slots.long(),  # HF embeddings and index_put want int64: copies made inside the graph
+            positions=x.positions.long(),
+            block_tables=x.tables,
             query_start=self._query_start[: b + 1],
-            num_computed=self._computed[:b],
+            num_computed=x.computed,
             max_query_len=1,
             max_context_len=self.max_blocks * self.cache.block_size,  # sizes the split-K count once
         )
         out = self.model(
-            input_ids=self._ids[:b].long()[None],
+            input_ids=x.ids.long()[None],
             position_ids=paged.positions[None],
             use_cache=False,
             logits_to_keep=self._keep[:b],
             cai_paged=paged,
         )
-        return out.logits[0]
+        return out.logits[0].float()
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         start = time.perf_counter()
-        self._fill([], [], [], self.sizes[-1])  # every row a padding row: valid inputs for the warm-up runs
+        for b in self.sizes:  # every row a padding row: valid inputs for the warm-up runs
+            self._fill([], [], [], b)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -138,7 +150,8 @@ class DecodeGraphs:
         )
 
     def _fill(self, tables: list[list[int]], computed: list[int], ids: list[int], b: int) -> None:
-        """Copy the rows of ``len(ids)`` sequences into the buffers, padding rows up to ``b``."""
+        """Copy the rows of ``len(ids)`` sequences into size ``b``'s inputs, padding rows up to ``b``: one
+        host-to-device copy."""
         bs, pad, width, s = self.cache.block_size, self.cache.scratch_block, self.max_blocks, len(ids)
         host = array("i")
         for table in tables:
@@ -153,11 +166,17 @@ class DecodeGraphs:
         host.extend([pad * bs] * (b - s))
         host.extend(computed)  # the new token's position is the count of tokens before it
         host.extend([0] * (b - s))
-        dev = to_device(host, self.cache.device)
-        self._tables[:b].copy_(dev[: b * width].view(b, width))
-        parts = dev[b * width :].view(4, b)
-        for dst, src in zip((self._computed, self._ids, self._slots, self._positions), parts, strict=True):
-            dst[:b].copy_(src)
+        dst = self._inputs[b].flat
+        if dst.device.type != "cuda":
+            dst.copy_(torch.frombuffer(host, dtype=torch.int32))
+            return
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the staging buffer
+        staging = self._staging[: len(host)]
+        staging.copy_(torch.frombuffer(host, dtype=torch.int32))
+        dst.copy_(staging, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """The logits (fp32) of each sequence's next token, in batch order."""
@@ -176,7 +195,7 @@ class DecodeGraphs:
         else:
             with torch.inference_mode():
                 logits = self._forward(b)
-        return logits[:s].float()
+        return logits[:s]
 
 
 class ModelRunner:

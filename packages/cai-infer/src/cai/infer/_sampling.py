@@ -117,6 +117,8 @@ def apply_penalties_and_masks(
 
     Masked tokens get ``-inf``. Rows of greedy requests only get the repetition penalty (the rest do not change
     the argmax). The order is transformers' (penalty, temperature, top-k, top-p, min-p)."""
+    if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        return logits.float()  # nothing to change: no copy
     logits = logits.float().clone()  # (S, V)
     for i, (p, seen) in enumerate(zip(params, history, strict=True)):
         if p.greedy and p.repetition_penalty == 1.0:

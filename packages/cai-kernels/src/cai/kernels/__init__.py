@@ -13,9 +13,9 @@ from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, patch_hf_model
 from cai.kernels._moe import grouped_linear, permute_tokens, unpermute_tokens
 from cai.kernels._norm import LayerNorm, RMSNorm, layer_norm, rms_norm
-from cai.kernels._paged_attention import paged_attention
+from cai.kernels._paged_attention import paged_attention, paged_kv_write
 from cai.kernels._rope import apply_rotary_pos_emb
-from cai.kernels._swiglu import SwiGLUMLP, swiglu
+from cai.kernels._swiglu import SwiGLUMLP, swiglu, swiglu_packed
 
 __version__ = _version("cai-kernels")
 
@@ -35,11 +35,13 @@ __all__ = [
     "kernel_report",
     "layer_norm",
     "paged_attention",
+    "paged_kv_write",
     "patch_hf_model",
     "permute_tokens",
     "quantize_rowwise",
     "rms_norm",
     "swiglu",
+    "swiglu_packed",
     "unpermute_tokens",
     "use_triton",
 ]

@@ -56,6 +56,35 @@ def paged_attention(
     )  # fmt: skip
 
 
+def paged_kv_write(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Write each token's key and value into its cache slot: ``k_cache[slots[t]] = key[t]`` and the same for v, in
+    one kernel on CUDA (Triton) for both.
+
+    Args:
+        key, value: (T, kv_heads, head_dim), any strides with the last dimension contiguous.
+        k_cache, v_cache: (slots, kv_heads, head_dim), contiguous.
+        slots: (T,) integer cache slots.
+    """
+    T, heads, head_dim = key.shape
+    if T == 0:
+        return
+    if not use_triton(key) or key.stride(-1) != 1 or value.stride(-1) != 1:
+        k_cache[slots] = key.to(k_cache.dtype)
+        v_cache[slots] = value.to(v_cache.dtype)
+        return
+    import triton
+
+    from cai.kernels._paged_attention_triton import kv_write_kernel
+
+    kv_write_kernel[(T, heads)](
+        key, value, k_cache, v_cache, slots,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
 def _paged_attention_torch(
     query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_q, max_ctx, scaling, window,
     softcap,

@@ -154,3 +154,22 @@ def combine_splits_kernel(
     denom = tl.maximum(tl.sum(w * row_sum, 0), 1.1754943508222875e-38)  # the smallest normal fp32
     out = tl.sum(w[:, None] * part, 0) / denom
     tl.store(Out + t.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def kv_write_kernel(
+    K, V, KC, VC, SLOTS,
+    k_tok, k_head, v_tok, v_head, c_slot, c_head,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # one program: token t's key and value of kv head h into their cache slot
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < HEAD_DIM
+    k = tl.load(K + t * k_tok + h * k_head + d, mask=mask)
+    v = tl.load(V + t * v_tok + h * v_head + d, mask=mask)
+    dst = slot * c_slot + h * c_head + d
+    tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
+    tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)

@@ -68,6 +68,36 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)
 
 
+def swiglu_packed(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of `x = [gate | up]` along the last dimension (one matmul's output for both), without
+    splitting `x` into two contiguous tensors first. Inference only: a Triton kernel on CUDA when autograd is off,
+    else the torch expression (differentiable).
+
+    Args:
+        x: (..., 2 * f), the last dimension contiguous.
+
+    Returns:
+        (..., f) in `x`'s dtype.
+    """
+    f = x.shape[-1] // 2
+    if x.shape[-1] != 2 * f:
+        raise ValueError(f"swiglu_packed: the last dimension ({x.shape[-1]}) must be even: [gate | up]")
+    if x.numel() == 0 or not use_triton(x) or (torch.is_grad_enabled() and x.requires_grad):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return (F.silu(x[..., :f].to(acc)) * x[..., f:].to(acc)).to(x.dtype)
+    import triton
+
+    from cai.kernels._swiglu_triton import swiglu_packed_fwd_kernel as kernel
+
+    rows = x.reshape(-1, 2 * f) if x.stride(-1) == 1 else x.contiguous().reshape(-1, 2 * f)
+    out = torch.empty(rows.shape[0], f, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(f))
+    kernel[(rows.shape[0], triton.cdiv(f, block))](
+        rows, out, f, rows.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
+    return out.view(*x.shape[:-1], f)
+
+
 class SwiGLUMLP(nn.Module):
     """`down_proj(swiglu(gate_proj(x), up_proj(x)))`, the Llama/Qwen/Mistral MLP.
 

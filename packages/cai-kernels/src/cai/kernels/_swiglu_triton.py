@@ -27,3 +27,15 @@ def swiglu_bwd_kernel(A, B, DC, DA, DB, n, BLOCK: tl.constexpr):
     da = dc * b * sig * (1.0 + a * (1.0 - sig))
     tl.store(DA + offs, da.to(DA.dtype.element_ty), mask=mask)
     tl.store(DB + offs, (dc * silu).to(DB.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_packed_fwd_kernel(X, C, f, x_row_stride, c_row_stride, BLOCK: tl.constexpr):
+    # one program: BLOCK columns of one row; the row of X is [gate | up], f columns each
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < f
+    x = X + row * x_row_stride
+    a = tl.load(x + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x + f + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(C + row * c_row_stride + cols, (a * tl.sigmoid(a) * b).to(C.dtype.element_ty), mask=mask)
