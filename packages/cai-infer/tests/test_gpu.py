@@ -64,11 +64,13 @@ def test_graphs_match_generate_fp32(family, make_model, engines):
     engine = InferenceEngine(model, None, _config("fp32"))
     engines.append(engine)
     assert engine.runner.graphs is not None and engine.runner.graphs.capture, "graphs are the default on CUDA"
+    graphs = engine.runner.graphs
     replays = []
-    run = engine.runner.graphs.run
-    engine.runner.graphs.run = lambda batch: replays.append(len(batch.seqs)) or run(batch)
+    replay = graphs._replay
+    graphs._replay = lambda b: replays.append(b) or replay(b)
     assert _run(engine, prompts) == want
     assert replays, "no decode step replayed a graph"
+    assert graphs.num_ahead_used > 0, "no greedy decode step was launched ahead of its batch"
 
 
 def test_graphs_match_eager_bf16(make_model, engines):
@@ -84,7 +86,8 @@ def test_graphs_match_eager_bf16(make_model, engines):
 
 
 def test_fused_kernels_by_default(make_model, engines):
-    from cai.kernels import RMSNorm, SwiGLUMLP
+    from cai.infer._fuse import FusedSwiGLUMLP
+    from cai.kernels import RMSNorm
 
     prompts = _prompts()
     plain = InferenceEngine(make_model("llama").cuda(), None, _config("fp32", use_cuda_kernel=False))
@@ -93,5 +96,5 @@ def test_fused_kernels_by_default(make_model, engines):
     fused = InferenceEngine(make_model("llama").cuda(), None, _config("fp32"))
     engines.append(fused)
     kinds = {type(m) for m in fused.model.modules()}
-    assert RMSNorm in kinds and SwiGLUMLP in kinds, "fused kernels are on by default on CUDA"
+    assert RMSNorm in kinds and FusedSwiGLUMLP in kinds, "fused kernels are on by default on CUDA"
     assert _run(fused, prompts) == _run(plain, prompts)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from cai.infer import InferenceConfig, InferenceEngine
+from cai.infer import InferenceConfig, InferenceEngine, SamplingParams
 
 NEW = 10
 VOCAB = 251  # conftest's tiny models
@@ -95,9 +95,12 @@ def test_greedy_matches_generate(family, regime, engines, make_model):
     engines.append(engine)
     if regime.padded_decode:
         engine.runner.use_decode_graphs([1, 2, 4], config.max_blocks_per_sequence, capture=False)
-        padded = []
-        run = engine.runner.graphs.run
-        engine.runner.graphs.run = lambda batch: padded.append(len(batch.seqs)) or run(batch)
+        padded = []  # (sequences, size) of each replay
+        graphs = engine.runner.graphs
+        fill = graphs._fill
+        graphs._fill = lambda tables, computed, ids, b: (
+            padded.append((len(ids), b)) or fill(tables, computed, ids, b)
+        )
     prompts = _prompts(regime.shared_prefix)
     gen = GenerationConfig(max_new_tokens=NEW)
     if regime.arrive_every:
@@ -125,6 +128,33 @@ def test_greedy_matches_generate(family, regime, engines, make_model):
             "later prompts were meant to reuse the shared prefix's blocks"
         )
     if regime.padded_decode:
-        assert 3 in padded, f"no decode batch of 3 was padded to 4 (sizes seen: {sorted(set(padded))})"
+        assert (3, 4) in padded, f"no decode batch of 3 was padded to 4 (seen: {sorted(set(padded))})"
+        assert graphs.num_ahead_used > 0  # greedy decode steps were launched ahead of their batch
     if regime.token_budget is not None:
         assert max(LENGTHS) + regime.shared_prefix > regime.token_budget  # the longest prompt is chunked
+
+
+def test_steps_launched_ahead_are_dropped_when_the_batch_changes(engines, make_model):
+    # [Note: launching ahead]: a request arriving while a step is in flight, and a stop token, change the next
+    # batch; the step launched ahead is dropped and the outputs stay those of generate
+    config = InferenceConfig(
+        dtype="fp32", block_size=4, max_batch_size=4, max_input_len=32, max_output_len=NEW
+    )
+    engine = InferenceEngine(make_model("llama"), None, config)
+    engines.append(engine)
+    engine.runner.use_decode_graphs([1, 2, 4], config.max_blocks_per_sequence, capture=False)
+    prompts = _prompts(0)[:3]
+    want = _reference(make_model, "llama", 0)[:3]
+    stop = want[2][3]  # the third request stops at its fourth token
+    want[2] = want[2][: want[2].index(stop) + 1]
+    finished: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=NEW, stop_token_ids=[stop] if i == 2 else [])
+        engine.add_request(request_ids=i, prompts_token_ids=p, sampling_params=params)
+        for _ in range(4):  # the next request arrives while these decode with a step in flight
+            finished.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    assert [finished[str(i)] for i in range(3)] == want
+    graphs = engine.runner.graphs
+    assert 0 < graphs.num_ahead_used < graphs.num_ahead, (graphs.num_ahead_used, graphs.num_ahead)

@@ -16,7 +16,7 @@ from ._fuse import fuse_projections
 from ._parallel import shard_for_inference, shared_seed
 from ._runner import ModelRunner, graph_batch_sizes, kv_cache_for
 from ._sampling import SamplingParams, apply_penalties_and_masks, logprobs_of, sample
-from ._scheduler import Scheduler, Sequence, SequenceStatus
+from ._scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
 from ._speculative import ModelDrafter, PromptLookupDrafter, verify
 
 
@@ -328,6 +328,9 @@ class InferenceEngine:
         if not len(batch):
             return []
         drafts = self._draft(batch) if self.use_spec_dec else None
+        if drafts is None and self.runner.greedy_covers(batch):
+            tokens = self.runner.greedy(batch, ahead=self.scheduler.can_run_ahead(batch))
+            return self._advance(batch, tokens, [1] * len(batch.seqs), None)
         raw = self.runner.run(batch, drafts)
         sampling = [i for i, take in enumerate(batch.samples) if take]
         spans = [1 + (len(drafts[i]) if drafts else 0) for i in sampling]
@@ -362,6 +365,18 @@ class InferenceEngine:
                 self.num_drafted += len(drafts[i])
                 self.num_accepted += len(emitted[-1]) - 1
             tokens = emitted
+        return self._advance(batch, tokens, spans, raw)
+
+    def _advance(
+        self,
+        batch: ScheduledBatch,
+        tokens: list[int] | list[list[int]],
+        spans: list[int],
+        raw: torch.Tensor | None,
+    ) -> list[Sequence]:
+        """Give the sampling sequences of ``batch`` their ``tokens``; ``raw`` holds the logits of the ``spans``
+        rows of each (for logprobs)."""
+        sampling = [i for i, take in enumerate(batch.samples) if take]
         rows = [sum(spans[:j]) for j in range(len(spans))]
         before = [batch.seqs[i].num_output_tokens for i in sampling]
         advanced = self.scheduler.update(batch, tokens)

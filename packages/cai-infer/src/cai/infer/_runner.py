@@ -14,6 +14,20 @@ logits. The split-K count of the attention is fixed per size at capture, from th
 possible context; splits past a sequence's end see no keys and weigh nothing. Prefill and mixed steps, and steps
 with drafts, run eagerly. Off CUDA the same padded buffers run eagerly (``capture=False``), which is how the
 padding is tested on CPU.
+
+[Note: launching ahead]
+A graph-replayed decode step is a few milliseconds of GPU work, and between two of them the host reads the sampled
+tokens, updates the sequences and prepares the next step: a few hundred microseconds in which the GPU would idle.
+When every sequence of a decode batch picks its token greedily (no penalty, no logprobs), the graph itself takes
+the argmax of the logits, and the host can launch the next step before it knows these tokens: the next step's
+token ids are copied on the device from this step's argmax, and its positions, slots and block tables are the
+current ones advanced by one, which the host knows already. ``Scheduler.can_run_ahead`` says when the next batch
+will be these sequences again, one token each, in blocks they already hold alone; only a stop token can change it.
+The step launched ahead is remembered with the sequences and token counts it assumed, and its tokens come back
+through a pinned buffer of their own (two alternate, one per step in flight). The next ``greedy`` call uses it when
+its batch is exactly the one assumed and needs no block copy; otherwise the step is dropped. A dropped step wrote
+the K/V of the true next token at its true position into a block its sequence holds alone, the value the same step
+writes when it runs for real, so nothing it leaves behind is wrong.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -58,6 +73,17 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted(sizes | {max_batch_size})
 
 
+@dataclass(frozen=True)
+class _Ahead:
+    """A decode step launched before its batch was scheduled: the sequences (by identity) and token counts it
+    assumed, the size replayed, and the pinned buffer and event its tokens arrive with."""
+
+    key: tuple[tuple[int, ...], tuple[int, ...]]
+    size: int
+    tokens: torch.Tensor
+    done: torch.cuda.Event | None
+
+
 class _GraphInputs:
     """The static int32 inputs of one graph size ``b``, in one buffer laid out as the host builds them: block tables
     (b x max_blocks), tokens computed (b), token ids (b), slots (b), positions (b)."""
@@ -91,6 +117,15 @@ class DecodeGraphs:
             self._staging = self._staging.pin_memory()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._argmax: dict[int, torch.Tensor] = {}  # each size's greedy tokens, computed in the graph
+        # [Note: launching ahead]: the step in flight, and two pinned buffers its tokens and the current step's
+        # come back through
+        self._ahead: _Ahead | None = None
+        pin = dev.type == "cuda"
+        self._token_buffers = [torch.empty(b, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._flip = 0
+        self.num_ahead = 0  # steps launched ahead, since construction
+        self.num_ahead_used = 0  # of them, used
         if capture:
             self._capture_all()
 
@@ -115,6 +150,17 @@ class DecodeGraphs:
         )
         return out.logits[0].float()
 
+    def _forward_all(self, b: int) -> None:
+        logits = self._logits[b] = self._forward(b)
+        self._argmax[b] = logits.argmax(-1)
+
+    def _replay(self, b: int) -> None:
+        if self.capture:
+            self._graphs[b].replay()
+        else:
+            with torch.inference_mode():
+                self._forward_all(b)
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         start = time.perf_counter()
@@ -125,12 +171,12 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the capture: compiles the kernels, sets up cuBLAS
             for b in self.sizes:
-                self._forward(b)
+                self._forward_all(b)
         torch.cuda.current_stream().wait_stream(side)
         for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = self._forward(b)
+                self._forward_all(b)
             self._graphs[b] = graph
         torch.cuda.synchronize()
         logger.info(
@@ -178,10 +224,12 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The logits (fp32) of each sequence's next token, in batch order."""
-        s = len(batch.seqs)
-        b = next(size for size in self.sizes if size >= s)
+    def _size(self, s: int) -> int:
+        return next(size for size in self.sizes if size >= s)
+
+    def _launch(self, batch: ScheduledBatch) -> int:
+        """Fill the inputs of ``batch`` and replay its graph; returns the size replayed."""
+        b = self._size(len(batch.seqs))
         computed = list(batch.num_computed)
         self._fill(
             [seq.block_table for seq in batch.seqs],
@@ -189,13 +237,60 @@ class DecodeGraphs:
             [seq.tokens[c] for seq, c in zip(batch.seqs, computed, strict=True)],
             b,
         )
-        if self.capture:
-            self._graphs[b].replay()
-            logits = self._logits[b]
+        self._replay(b)
+        return b
+
+    def drop_ahead(self) -> None:
+        """Forget the step launched ahead: another kind of step runs first."""
+        self._ahead = None
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The logits (fp32) of each sequence's next token, in batch order."""
+        self._ahead = None
+        b = self._launch(batch)
+        return self._logits[b][: len(batch.seqs)]
+
+    def greedy(self, batch: ScheduledBatch, *, ahead: bool) -> list[int]:
+        """The greedy next token of each sequence of ``batch``; with ``ahead``, the step after it is launched
+        before this one's tokens are read (see [Note: launching ahead])."""
+        s = len(batch.seqs)
+        key = (tuple(map(id, batch.seqs)), tuple(batch.num_computed))
+        pending, self._ahead = self._ahead, None
+        if pending is not None and pending.key == key and not batch.copies:
+            b, tokens, done = pending.size, pending.tokens, pending.done
+            self.num_ahead_used += 1
         else:
-            with torch.inference_mode():
-                logits = self._forward(b)
-        return logits[:s]
+            b = self._launch(batch)
+            tokens, done = self._tokens_to_host(b, s)
+        if ahead:
+            self._launch_ahead(batch, b)
+        if done is not None:
+            done.synchronize()
+        return tokens[:s].tolist()
+
+    def _tokens_to_host(self, b: int, s: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Send the argmax of size ``b``'s last replay to the next pinned buffer; returns it and an event to
+        wait for."""
+        buf = self._token_buffers[self._flip]
+        self._flip ^= 1
+        buf[:s].copy_(self._argmax[b][:s], non_blocking=True)
+        if not buf.is_pinned():
+            return buf, None
+        done = torch.cuda.Event()
+        done.record()
+        return buf, done
+
+    def _launch_ahead(self, batch: ScheduledBatch, b: int) -> None:
+        """Replay the step after ``batch``: each sequence's token from the argmax of the replay just launched,
+        at the next position."""
+        s = len(batch.seqs)
+        computed = [c + 1 for c in batch.num_computed]
+        self._fill([seq.block_table for seq in batch.seqs], computed, [0] * s, b)
+        self._inputs[b].ids[:s].copy_(self._argmax[b][:s])
+        self._replay(b)
+        tokens, done = self._tokens_to_host(b, s)
+        self._ahead = _Ahead((tuple(map(id, batch.seqs)), tuple(computed)), b, tokens, done)
+        self.num_ahead += 1
 
 
 class ModelRunner:
@@ -215,6 +310,25 @@ class ModelRunner:
             self.model, self.cache, sizes=sizes, max_blocks=max_blocks, capture=capture
         )
 
+    def greedy_covers(self, batch: ScheduledBatch) -> bool:
+        """Whether ``greedy`` can run ``batch``: a decode step the graphs cover whose sequences all pick their
+        tokens greedily, with no penalty and no logprobs."""
+        return (
+            self.graphs is not None
+            and self.graphs.covers(batch, None)
+            and all(
+                s.params.greedy and s.params.repetition_penalty == 1.0 and s.params.logprobs is None
+                for s in batch.seqs
+            )
+        )
+
+    @torch.inference_mode()
+    def greedy(self, batch: ScheduledBatch, *, ahead: bool) -> list[int]:
+        """Each sequence's greedy next token for a batch ``greedy_covers``; with ``ahead``, the step after it is
+        launched before this one's tokens are read (see [Note: launching ahead])."""
+        self.cache.copy_blocks(batch.copies)
+        return self.graphs.greedy(batch, ahead=ahead)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> torch.Tensor:
         """Writes the batch's K/V into the cache; returns the logits (fp32) of the last token of each sequence
@@ -224,8 +338,10 @@ class ModelRunner:
         caller reserved), the drafts run after the sequence's tokens and each sampling sequence gets
         ``1 + len(its drafts)`` rows: the logits after its last token and after each draft."""
         self.cache.copy_blocks(batch.copies)
-        if self.graphs is not None and self.graphs.covers(batch, drafts):
-            return self.graphs.run(batch)
+        if self.graphs is not None:
+            if self.graphs.covers(batch, drafts):
+                return self.graphs.run(batch)
+            self.graphs.drop_ahead()
         drafts = drafts or [[] for _ in batch.seqs]
         ids: list[int] = []
         keep: list[int] = []

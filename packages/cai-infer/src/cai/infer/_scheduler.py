@@ -156,6 +156,23 @@ class Scheduler:
         samples = [c + n == s.num_tokens for s, c, n in zip(seqs, computed, num_new, strict=True)]
         return ScheduledBatch(seqs, num_new, computed, samples, copies)
 
+    def can_run_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether the decode step after ``batch`` may be launched before ``batch``'s tokens are known (see
+        _runner.py [Note: launching ahead]): unless one of its sequences samples a stop token, the next ``schedule``
+        returns the same sequences, one token each, writing into blocks they already hold alone (no new block, no
+        copy, no cached partial block) and none of them ends by length."""
+        if self.waiting or len(batch.seqs) != len(self.running) or len(batch.seqs) > self.token_budget:
+            return False
+        bs = self.blocks.block_size
+        for seq, c in zip(batch.seqs, batch.num_computed, strict=True):
+            j = (c + 1) // bs  # the block of the next step's token
+            if seq.num_output_tokens + 1 >= seq.max_new_tokens or j >= len(seq.block_table):
+                return False
+            block = seq.block_table[j]
+            if self.blocks.ref[block] != 1 or block in self.blocks.partial:
+                return False
+        return True
+
     def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
         """Blocks for ``seq``'s next ``n`` tokens: new blocks past its table, private copies of blocks it shares
         and writes into (see _blocks.py [Note: copy on write]). All or nothing."""
