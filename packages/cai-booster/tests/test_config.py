@@ -63,10 +63,7 @@ def test_low_level_zero_arguments() -> None:
         LowLevelZeroConfig(zero=ZeroConfig(stage=0))
     with raises("norm_type=1.0 is not supported; use norm_type=2.0"):
         LowLevelZeroPlugin(norm_type=1.0)
-    with raises(
-        "fp8_communication=True is not supported; leave it False (fp8 communication is not implemented)"
-    ):
-        LowLevelZeroPlugin(fp8_communication=True)
+    assert LowLevelZeroPlugin(fp8_communication=True).zero_config.fp8_communication
     with raises("extra_dp_size=2 is not supported; use 1"):
         LowLevelZeroPlugin(extra_dp_size=2)
     with raises("need 0 < min_scale <= initial_scale <= max_scale"):

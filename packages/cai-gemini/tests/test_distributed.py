@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from cai.gemini import ChunkConfig, GeminiConfig, shard
 from cai.kernels.optim import HybridAdam
 from cai.mesh import LocalShard, assemble
+from cai.mesh._collectives import FP8_BLOCK
 from cai.mesh.testing import CollectiveCounter, TinyTransformer, assert_close, make_batch, run_distributed
 
 LR, EPS = 1e-2, 1e-4
@@ -177,3 +179,38 @@ def _full_round_trip() -> bool:
 
 def test_full_state_dict_round_trip() -> None:
     assert run_distributed(_full_round_trip, 2) == [True, True]
+
+
+# ---- FP8 gradients ----------------------------------------------------------------------------------------------
+def _fp8_losses(fp8: bool, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    gm, gopt = shard(
+        model,
+        HybridAdam(model.parameters(), lr=1e-2),
+        config=_cfg(COUNT_CHUNK, fp8_communication=fp8),
+        device="cpu",
+    )
+    losses, events = [], []
+    for step in range(steps):
+        with CollectiveCounter() if step == 1 else contextlib.nullcontext() as cc:
+            loss = _step(gm, gopt, step % 4, 2)
+        if cc is not None:
+            events = [(e.op, e.nbytes) for e in cc.events]
+        total = torch.tensor(loss)
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    return {"losses": losses, "events": events, "chunks": [c.chunk_size for c in gm.chunks]}
+
+
+def test_fp8_gradients_move_a_quarter_of_the_bytes_and_train_alike() -> None:
+    exact = run_distributed(_fp8_losses, 2, False, 25)[0]
+    fp8 = run_distributed(_fp8_losses, 2, True, 25)[0]
+    world, block = 2, FP8_BLOCK
+    # each chunk's gradient: an all-to-all of a byte a value (whole blocks of each rank's slice) and a scale a block
+    wire = sorted(world * -(-(c // world) // block) * (block + 4) for c in fp8["chunks"])
+    assert sorted(n for op, n in fp8["events"] if op == "all_to_all_single") == wire
+    assert not [op for op, _ in fp8["events"] if op == "reduce_scatter_tensor"]
+    first, last = exact["losses"][0], exact["losses"][-1]
+    assert last < 0.7 * first, exact["losses"]
+    assert abs(fp8["losses"][-1] - last) <= 0.03 * last, (fp8["losses"][-1], last)

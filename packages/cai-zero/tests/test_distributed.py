@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cai.mesh import LocalShard, ShardSpec, assemble
+from cai.mesh._collectives import FP8_BLOCK
 from cai.mesh.testing import CollectiveCounter, TinyTransformer, assert_close, make_batch, run_distributed
 from cai.zero import LossScaleConfig, ZeroConfig, ZeroOptimizer
 
@@ -278,3 +279,57 @@ def test_grad_norm_sums_over_extra_groups_and_clips() -> None:
         assert with_extra == pytest.approx(plain * 2**0.5, rel=1e-6)
         assert clipped_from == pytest.approx(plain, rel=1e-6)
         assert after == pytest.approx(plain / 4, rel=1e-5)
+
+
+# ---- FP8 communication ------------------------------------------------------------------------------------------
+def _fp8_train(stage: int, fp8: bool, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = _model()
+    opt = ZeroOptimizer(
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=EPS),
+        model=model,
+        config=ZeroConfig(stage=stage, bucket_size_mb=BUCKET_MB, fp8_communication=fp8),
+    )
+    losses, events = [], []
+    for step in range(steps):
+        ids, labels = make_batch(batch_size=4, seq_len=16, vocab_size=64, seed=step % 4)
+        rows = _rows(dist.get_rank(), 0, 2, 2)
+        with CollectiveCounter() if step == 0 else contextlib.nullcontext() as cc:
+            loss = TinyTransformer.loss(model(ids[rows]), labels[rows])
+            opt.backward(loss)
+            opt.step()
+        if cc is not None:
+            events = [(e.op, e.nbytes) for e in cc.events]
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / 2)
+    return {"losses": losses, "events": events}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp8_gradients_move_a_quarter_of_the_bytes_and_train_alike(stage: int) -> None:
+    # fp32 parameters: every gradient value one byte instead of four, plus a 4-byte scale a block of FP8_BLOCK
+    steps, world = 25, 2
+    exact = run_distributed(_fp8_train, 2, stage, False, steps)[0]
+    fp8 = run_distributed(_fp8_train, 2, stage, True, steps)[0]
+    buckets = _expected_buckets(_model(), int(BUCKET_MB * 2**20) // 4, world_size=world)
+    ops: dict[str, list[int]] = {}
+    for op, nbytes in fp8["events"]:
+        ops.setdefault(op, []).append(nbytes)
+    blocks = [-(-(n // world) // FP8_BLOCK) for n in buckets]  # per rank's slice of each bucket
+    wire = [
+        world * b * (FP8_BLOCK + 4) for b in blocks
+    ]  # a byte a value (padded to whole blocks), a scale a block
+    # the gradient: an all-to-all of each rank's slices (stage 1 then gathers the sums back, in FP8 too); the
+    # updated parameters are gathered in fp32
+    assert sorted(ops["all_to_all_single"]) == sorted(wire), ops
+    fp32_params = [4 * n for n in buckets]
+    gathered = fp32_params + (wire if stage == 1 else [])
+    assert sorted(ops["all_gather_into_tensor"]) == sorted(gathered), ops
+    assert set(ops) == {"all_to_all_single", "all_gather_into_tensor"}, ops
+    # the same loss band after 25 steps of AdamW
+    first, last = exact["losses"][0], exact["losses"][-1]
+    assert last < 0.7 * first, exact["losses"]
+    assert fp8["losses"][0] == first  # the first forward runs before any communication
+    assert abs(fp8["losses"][-1] - last) <= 0.03 * last, (fp8["losses"][-1], last)

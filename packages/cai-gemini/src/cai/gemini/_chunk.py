@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from cai.gemini._memory import DEVICE, HOST, MemoryTracker
 from cai.kernels.optim import accumulate_grad_shard
-from cai.mesh import all_gather_into_tensor, reduce_scatter_tensor
+from cai.mesh import all_gather_into_tensor, fp8_reduce_scatter_tensor, reduce_scatter_tensor
 
 __all__ = ["Chunk", "ChunkFullError", "TensorInfo", "TensorState"]
 
@@ -125,7 +125,9 @@ class Chunk:
         trainable: bool,
         tracker: MemoryTracker,
         pin_memory: bool,
+        fp8_communication: bool = False,
     ) -> None:
+        self.fp8_communication = fp8_communication
         if chunk_size % world_size:
             raise ValueError(
                 f"Chunk: chunk_size {chunk_size} is not divisible by the group size {world_size}"
@@ -337,7 +339,8 @@ class Chunk:
             self.tracker.add(DEVICE, "unreduced", -self._bytes(buf))
         if self.world_size > 1:
             out = torch.empty(self.shard_size, dtype=buf.dtype, device=self.device)
-            reduce_scatter_tensor(out, buf, group=self.group)
+            scatter = fp8_reduce_scatter_tensor if self.fp8_communication else reduce_scatter_tensor
+            scatter(out, buf, group=self.group)
             out.div_(self.world_size)
         else:
             out = buf

@@ -89,6 +89,10 @@ class GeminiConfig:
             wherever it is exact and the placement is fixed, that is ``max_norm == 0``, precision other than fp16
             and the static policy (see ``overlaps_host_step``); a second synchronised backward before ``step()``
             then raises, naming ``no_sync()`` and ``overlap_host_step=False``.
+        fp8_communication: reduce-scatter gradient chunks as float8 e4m3 with one fp32 scale per 256 values
+            (``cai.mesh``'s [Note: fp8 collectives]), summed in fp32 where they arrive: a quarter of the bytes of
+            fp32 gradients, half of bf16's. Parameter all-gathers stay in the working dtype (see cai-zero's
+            ``ZeroConfig.fp8_communication`` for why).
     """
 
     placement_policy: Literal["static", "auto"] = "static"
@@ -106,6 +110,7 @@ class GeminiConfig:
     pin_memory: bool | None = None
     cast_inputs: bool = True
     overlap_host_step: bool | None = None
+    fp8_communication: bool = False
 
     def __post_init__(self) -> None:
         if self.placement_policy not in _POLICIES:

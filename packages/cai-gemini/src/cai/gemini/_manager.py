@@ -136,6 +136,7 @@ class ChunkManager:
                 trainable=trainable,
                 tracker=self.tracker,
                 pin_memory=self.pin,
+                fp8_communication=cfgp.fp8_communication,
             )
             for name, p in members:
                 chunk.append(name, p)

@@ -14,7 +14,14 @@ from cai.mesh._accelerator import (
     get_current_device,
     set_accelerator,
 )
-from cai.mesh._collectives import all_gather_into_tensor, reduce_scatter_tensor
+from cai.mesh._collectives import (
+    Fp8Gather,
+    all_gather_into_tensor,
+    fp8_all_gather_into_tensor,
+    fp8_all_reduce,
+    fp8_reduce_scatter_tensor,
+    reduce_scatter_tensor,
+)
 from cai.mesh._coordinator import DistCoordinator
 from cai.mesh._guard import (
     DEFAULT_TIMEOUT,
@@ -51,6 +58,7 @@ __all__ = [
     "DistCoordinator",
     "DistributedLogger",
     "FlatPiece",
+    "Fp8Gather",
     "LocalShard",
     "ParallelDims",
     "ParallelMesh",
@@ -66,6 +74,9 @@ __all__ = [
     "current_step",
     "disable_existing_loggers",
     "flat_pieces",
+    "fp8_all_gather_into_tensor",
+    "fp8_all_reduce",
+    "fp8_reduce_scatter_tensor",
     "get_accelerator",
     "get_current_device",
     "get_dist_logger",

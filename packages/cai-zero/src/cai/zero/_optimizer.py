@@ -18,6 +18,8 @@ from cai.mesh import (
     Read,
     all_gather_into_tensor,
     flat_pieces,
+    fp8_all_reduce,
+    fp8_reduce_scatter_tensor,
     load_param_groups_state,
     param_groups_state,
     reduce_scatter_tensor,
@@ -391,11 +393,12 @@ class ZeroOptimizer:
             if size > 1:
                 # before the sum, so fp16 gradients do not overflow in it
                 grad.div_(self.grad_divisor if b.comm == 0 else size)
+                fp8 = self.config.fp8_communication
                 if self.config.stage == 2:
                     out = torch.empty(b.shard, dtype=grad.dtype, device=self.device)
-                    reduce_scatter_tensor(out, grad, group=group)
+                    (fp8_reduce_scatter_tensor if fp8 else reduce_scatter_tensor)(out, grad, group=group)
                 else:
-                    dist.all_reduce(grad, group=group)
+                    (fp8_all_reduce if fp8 else dist.all_reduce)(grad, group=group)
                     # stage 0 keeps the whole reduced bucket, stage 1 its own slice
                     out = grad if b.replicated else grad[b.lo : b.hi]
             else:

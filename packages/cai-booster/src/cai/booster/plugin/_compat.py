@@ -129,6 +129,7 @@ LOW_LEVEL_ZERO_ARGS = PluginArgs(
         "cpu_offload": Mapped("zero.cpu_offload"),
         "cast_inputs": Mapped("cast_inputs"),
         "use_fp8": Mapped("use_fp8"),
+        "fp8_communication": Mapped("zero.fp8_communication"),
     },
     # Colossal-AI's defaults where they differ from LowLevelZeroConfig's.
     defaults={
@@ -143,7 +144,6 @@ LOW_LEVEL_ZERO_ARGS = PluginArgs(
     rejected=(
         Rejected(("norm_type",), 2.0, "use norm_type=2.0 (clipping uses the global L2 norm)"),
         Rejected(("master_weights",), True, "use master_weights=True; fp32 masters are kept"),
-        Rejected(("fp8_communication",), False, "leave it False (fp8 communication is not implemented)"),
         Rejected(("extra_dp_size",), 1, "use 1 (the ZeRO group is the whole world)"),
     ),
 )
@@ -190,6 +190,7 @@ GEMINI_ARGS = PluginArgs(
         "norm_type": Mapped("norm_type"),
         # cai's own: update host-resident chunks during backward (see GeminiConfig.overlap_host_step).
         "overlap_host_step": Mapped("overlap_host_step"),
+        "fp8_communication": Mapped("fp8_communication"),
     },
     defaults={"precision": "fp16"},
     ignored={
@@ -205,7 +206,6 @@ GEMINI_ARGS = PluginArgs(
         Rejected(("gpu_margin_mem_ratio",), 0.0, "leave it 0.0 (use steady_cuda_cap_ratio)"),
         Rejected(("master_weights",), True, "use master_weights=True (fp32 master weights are always kept)"),
         Rejected(("force_outputs_fp32",), False, "leave it False and cast the outputs in the loss"),
-        Rejected(("fp8_communication",), False, "leave it False (fp8 communication is not implemented)"),
         Rejected(
             ("enable_sequence_parallelism",), False, "leave it False (sequence parallelism needs tp_size > 1)"
         ),

@@ -45,9 +45,9 @@ class GeminiPlugin(DPPluginBase):
     ``enable_gradient_accumulation=True`` turns the overlapped host step off (below). ``enable_all_optimization``, ``enable_fused_normalization``, ``enable_jit_fused``
     and ``enable_flash_attention`` apply cai-kernels' fused norms, SwiGLU, rotary and loss to the model at
     ``boost()`` (``cai.kernels.patch_hf_model``). Tensor parallelism (``tp_size > 1``), ``extra_dp_size > 1``,
-    ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False``, ``force_outputs_fp32`` and
-    ``fp8_communication`` raise with what to use instead. ``use_fp8=True`` runs the linear layers in FP8
-    (``cai.kernels.convert_to_fp8``). The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with
+    ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False`` and ``force_outputs_fp32`` raise with what
+    to use instead. ``use_fp8=True`` runs the linear layers in FP8 (``cai.kernels.convert_to_fp8``);
+    ``fp8_communication=True`` reduce-scatters gradients in FP8 (``GeminiConfig.fp8_communication``). The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with
     ``config=`` raises.
 
     cai's own: ``overlap_host_step=None``: with optimizer chunks on the host, update each one on a worker thread as
