@@ -12,6 +12,7 @@ from cai.gemini._memory import CudaMemoryTracker, MemoryTracker
 from cai.gemini._model import GeminiModel
 from cai.gemini._optim import GeminiOptimizer
 from cai.gemini._planner import (
+    WORKSPACE_BYTES,
     ChunkLayout,
     MemoryPlan,
     PlanRow,
@@ -28,6 +29,7 @@ GeminiDDP = GeminiModel  # Colossal-AI's name
 __version__ = _version("cai-gemini")
 
 __all__ = [
+    "WORKSPACE_BYTES",
     "ChunkConfig",
     "ChunkLayout",
     "ChunkSearchResult",

@@ -26,6 +26,7 @@ from cai.gemini._config import ChunkConfig, GeminiConfig
 from cai.gemini._search import default_interval, pack, search_chunk_size
 
 __all__ = [
+    "WORKSPACE_BYTES",
     "ChunkLayout",
     "MemoryPlan",
     "PlanRow",
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 GiB = 1024**3
-_WORKSPACE = 768 * 1024**2  # cuBLAS / attention workspaces and allocator slack on the device
+WORKSPACE_BYTES = 768 * 1024**2  # cuBLAS / attention workspaces and allocator slack on the device
 _HOST_BASE = 3 * GiB  # the process itself: torch, CUDA context, libraries
 
 
@@ -216,7 +217,7 @@ def estimate(
     offload_param_frac: float = 0.0,
     max_prefetch: int = 0,
     built_on_host_bytes: int = 0,
-    workspace_bytes: int = _WORKSPACE,
+    workspace_bytes: int = WORKSPACE_BYTES,
     accumulation: int = 1,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Per-rank device and host bytes of one placement, by part (see [Note: planner model]); the device peak is

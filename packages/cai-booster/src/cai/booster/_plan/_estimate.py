@@ -32,11 +32,10 @@ from cai.booster._plan._candidate import Candidate
 from cai.booster._plan._cost import step_seconds
 from cai.booster._plan._hardware import Hardware
 from cai.booster._plan._spec import ModelSpec
-from cai.gemini import ChunkConfig, ChunkLayout, activation_bytes, estimate, host_peak
+from cai.gemini import WORKSPACE_BYTES, ChunkConfig, ChunkLayout, activation_bytes, estimate, host_peak
 
 __all__ = ["Estimate", "estimate_candidate"]
 
-_WORKSPACE_GPU = 768 * 2**20  # cuBLAS / attention workspaces and allocator slack (as cai-gemini's planner)
 _BUCKETS = 2 * 25 * 2**20  # reduction buckets in flight
 _OPT_BYTES = 28  # bytes a device Adam step moves per parameter (fp32 master, moments, gradient, working copy)
 _OVERLAP = 0.9  # share of backward that communication and the host step can hide behind
@@ -74,7 +73,7 @@ def estimate_candidate(
         # per layer work and the vocabulary split over tp; a pp stage holds pp micro-batches of L/pp layers
         act = {k: int(v / c.tp) for k, v in act.items()}
     k = c.accumulation
-    parts: dict[str, float] = {"saved activations": act["saved"], "workspace": _WORKSPACE_GPU if gpu else 0}
+    parts: dict[str, float] = {"saved activations": act["saved"], "workspace": WORKSPACE_BYTES if gpu else 0}
     base = hw.host_base_bytes if gpu else 0  # the process: torch, the CUDA context, libraries
     host: dict[str, float] = {"process": base}
     grads = 0.0  # gradient bytes alive at the end of backward, counted against the loss's tensors

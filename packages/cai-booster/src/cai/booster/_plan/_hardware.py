@@ -160,6 +160,17 @@ def available_host_bytes() -> int:
     return _host_mem_bytes()  # no /proc/meminfo: all of it
 
 
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes this process may still take on the CUDA ``device``: the driver's free memory plus what the caching
+    allocator holds unused, within ``torch.cuda.set_per_process_memory_fraction``'s cap."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    unused = reserved - torch.cuda.memory_allocated(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    cap = int(get_fraction(device) * total) if get_fraction else total
+    return min(free + unused, cap - reserved + unused)
+
+
 def _peak_tflops(name: str) -> float | None:
     """Dense bf16 peak of the GPUs whose MFU people quote (H100 and H200 SXM: 989 TFLOP/s; A100: 312)."""
     for key, tflops in (("H100", 989.0), ("H200", 989.0), ("H20", 148.0), ("A100", 312.0)):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cai.booster._plan._hardware import available_host_bytes
+from cai.booster._plan._hardware import available_host_bytes, free_device_bytes
 from cai.booster._precision import check_precision
 from cai.booster.plugin._base import BoostContext, Boosted, Capabilities, DPPluginBase, Plugin
 from cai.mesh import get_dist_logger
@@ -126,7 +126,7 @@ class AutoPlugin(DPPluginBase):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         host = self.host_budget_bytes or available_host_bytes()
         if device.type == "cuda":
-            gpu = self.gpu_budget_bytes or torch.cuda.mem_get_info(device)[0]
+            gpu = self.gpu_budget_bytes or free_device_bytes(device)
         else:  # the "device" is the host, shared by the local ranks
             gpu = self.gpu_budget_bytes or host // local
         if dist.is_initialized() and dist.get_world_size() > 1:

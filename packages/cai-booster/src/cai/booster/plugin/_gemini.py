@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from cai.booster._lazy import is_lazy
+from cai.booster._plan._hardware import free_device_bytes
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
 from cai.booster.plugin._base import (
     BoostContext,
@@ -235,14 +236,3 @@ class GeminiOptimizerWrapper(OptimizerWrapper):
     def no_sync(self) -> Iterator[None]:
         with self.gm.no_sync():
             yield
-
-
-def free_device_bytes(device: torch.device) -> int:
-    """Bytes this process may still take on the CUDA ``device``: the driver's free memory plus what the caching
-    allocator holds unused, within ``torch.cuda.set_per_process_memory_fraction``'s cap."""
-    free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    unused = reserved - torch.cuda.memory_allocated(device)
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    cap = int(get_fraction(device) * total) if get_fraction else total
-    return min(free + unused, cap - reserved + unused)
