@@ -103,8 +103,8 @@ class Fp8Gather:
 def fp8_all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Fp8Gather | None:
-    """``all_gather_into_tensor`` with each rank's ``input`` sent as float8 e4m3 under one scale (see
-    [Note: fp8 collectives]): a quarter of fp32's bytes, half of bf16's. ``output`` gets the dequantized values in
+    """``all_gather_into_tensor`` with each rank's ``input`` sent as float8 e4m3 with a scale per ``FP8_BLOCK``
+    values (see [Note: fp8 collectives]): about a quarter of fp32's bytes, half of bf16's. ``output`` gets the dequantized values in
     its own dtype; with ``async_op`` that happens in the returned handle's ``wait()``."""
     world = dist.get_world_size(group)
     payload = _quantize(input.reshape(1, -1))
@@ -118,8 +118,9 @@ def fp8_all_gather_into_tensor(
 
 
 def fp8_reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
-    """``reduce_scatter_tensor`` (sum) with every rank's slice for every other rank sent as float8 e4m3 under its
-    own scale (see [Note: fp8 collectives]); the slices are summed in fp32 and written to ``output`` in its dtype.
+    """``reduce_scatter_tensor`` (sum) with every rank's slice for every other rank sent as float8 e4m3 with a scale
+    per ``FP8_BLOCK`` values (see [Note: fp8 collectives]); the slices are summed in fp32 and written to ``output``
+    in its dtype.
     ``input`` holds ``world * output.numel()`` values."""
     world = dist.get_world_size(group)
     if input.numel() != world * output.numel():
