@@ -79,17 +79,14 @@ def test_paged_attention_matches_dense(impl, heads, kv_heads, head_dim, window, 
 
 @pytest.mark.parametrize("head_dim", [8, 80])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kv_write_puts_each_token_in_its_slot(impl, head_dim, dtype):
+def test_kv_write_puts_each_token_in_its_slot(impl, head_dim, dtype, device):
     # the keys as attention hands them over: (1, kv_heads, T, head_dim) viewed as (T, kv_heads, head_dim)
     g = torch.Generator().manual_seed(3)
     T, kv_heads, slots = 5, 3, 40
-    key = torch.randn(1, kv_heads, T, head_dim, generator=g).to(dtype)[0].transpose(0, 1)
-    value = torch.randn(1, kv_heads, T, head_dim, generator=g).to(dtype)[0].transpose(0, 1)
-    where = torch.tensor([7, 0, 39, 12, 13])
-    k_cache, v_cache = (
-        torch.zeros(slots, kv_heads, head_dim, dtype=dtype),
-        torch.zeros(slots, kv_heads, head_dim, dtype=dtype),
-    )
+    key = torch.randn(1, kv_heads, T, head_dim, generator=g).to(device, dtype)[0].transpose(0, 1)
+    value = torch.randn(1, kv_heads, T, head_dim, generator=g).to(device, dtype)[0].transpose(0, 1)
+    where = torch.tensor([7, 0, 39, 12, 13], device=device)
+    k_cache, v_cache = (torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
     paged_kv_write(key, value, k_cache, v_cache, where)
     k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     k_ref[where], v_ref[where] = key, value
