@@ -15,7 +15,6 @@ from cai.mesh._accelerator import (
     set_accelerator,
 )
 from cai.mesh._collectives import (
-    Fp8Gather,
     all_gather_into_tensor,
     fp8_all_gather_into_tensor,
     fp8_all_reduce,
@@ -58,7 +57,6 @@ __all__ = [
     "DistCoordinator",
     "DistributedLogger",
     "FlatPiece",
-    "Fp8Gather",
     "LocalShard",
     "ParallelDims",
     "ParallelMesh",

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "Fp8Gather",
     "all_gather_into_tensor",
     "fp8_all_gather_into_tensor",
     "fp8_all_reduce",
@@ -81,40 +80,16 @@ def _dequantize(payload: torch.Tensor, k: int) -> torch.Tensor:
     return (q * scales).view(rows, -1)[:, :k]
 
 
-class Fp8Gather:
-    """The handle of an asynchronous ``fp8_all_gather_into_tensor``: ``wait()`` waits for the bytes and writes the
-    dequantized values into the output."""
-
-    def __init__(self, work: Any, received: torch.Tensor, output: torch.Tensor, world: int) -> None:
-        self._work, self._received, self._output, self._world = work, received, output, world
-        self._pending = True
-        self._k = output.numel() // world
-
-    def wait(self) -> bool:
-        if self._pending:
-            if self._work is not None:
-                self._work.wait()
-            values = _dequantize(self._received.view(self._world, -1), self._k).reshape(-1)
-            self._output.copy_(values.view_as(self._output))
-            self._pending = False
-        return True
-
-
-def fp8_all_gather_into_tensor(
-    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
-) -> Fp8Gather | None:
+def fp8_all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
     """``all_gather_into_tensor`` with each rank's ``input`` sent as float8 e4m3 with a scale per ``FP8_BLOCK``
-    values (see [Note: fp8 collectives]): about a quarter of fp32's bytes, half of bf16's. ``output`` gets the dequantized values in
-    its own dtype; with ``async_op`` that happens in the returned handle's ``wait()``."""
+    values (see [Note: fp8 collectives]): about a quarter of fp32's bytes, half of bf16's. ``output`` gets the
+    dequantized values in its own dtype."""
     world = dist.get_world_size(group)
     payload = _quantize(input.reshape(1, -1))
     received = torch.empty(world * payload.numel(), dtype=torch.uint8, device=input.device)
-    work = all_gather_into_tensor(received, payload.view(-1), group=group, async_op=async_op)
-    handle = Fp8Gather(work, received, output, world)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    all_gather_into_tensor(received, payload.view(-1), group=group)
+    values = _dequantize(received.view(world, -1), output.numel() // world)
+    output.copy_(values.reshape(-1).view_as(output))
 
 
 def fp8_reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:

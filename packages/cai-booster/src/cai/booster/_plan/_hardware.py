@@ -241,10 +241,11 @@ def _copy_gbs(device: torch.device, nbytes: int) -> float:
 
 def _host_bandwidth_gbs(nbytes: int) -> float:
     """Host memory bandwidth: the faster of a copy and ``c = a + b`` (three streams) over ``nbytes`` arrays."""
+    cpu = torch.device("cpu")
+    copy = _copy_gbs(cpu, nbytes)  # its buffers are gone before the three below exist
     a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
     c = torch.empty_like(a)
-    cpu = torch.device("cpu")
-    return max(_copy_gbs(cpu, nbytes), 3 * nbytes / _timed(lambda: torch.add(a, b, out=c), cpu) / 1e9)
+    return max(copy, 3 * nbytes / _timed(lambda: torch.add(a, b, out=c), cpu) / 1e9)
 
 
 def _pcie_gbs(device: torch.device, nbytes: int) -> float:
@@ -299,7 +300,7 @@ def calibrate(*, device: torch.device | str | None = None, anchor: bool = True, 
     )
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    overhead, base = 1.0, _rss_bytes()
+    overhead, base = None, _rss_bytes()
     if anchor:  # first: it loads what a training process loads, so the resident set after it is the base
         say("calibrating: one small Llama forward and backward")
         overhead = _anchor_overhead(dev)
@@ -335,7 +336,7 @@ def calibrate(*, device: torch.device | str | None = None, anchor: bool = True, 
         peak_tflops=_peak_tflops(_device_name()) if gpu else None,
         source=f"measured {time.strftime('%Y-%m-%d %H:%M')}" + ("" if comm else "; comm_gbs assumed"),
     )
-    if anchor:
+    if overhead is not None:
         hw = replace(hw, step_overhead=overhead(hw))
     return replace(hw, host_base_bytes=base)
 
