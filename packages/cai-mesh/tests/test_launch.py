@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -175,3 +177,36 @@ def test_launch_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tcp_address_brackets_ipv6() -> None:
     assert _tcp("::1", 29500) == "tcp://[::1]:29500"
     assert _tcp("10.0.0.1", "29500") == "tcp://10.0.0.1:29500"
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+from cai.mesh import launch
+
+# registered before launch, so it runs after launch's handler (atexit is last in, first out)
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+launch(0, 1, "127.0.0.1", int(sys.argv[1]), verbose=False)
+if sys.argv[2] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+def test_launch_destroys_a_group_left_alive_at_a_clean_exit(tmp_path, how: str) -> None:
+    # gloo aborts at interpreter finalisation, now and then, when a live group still holds finished work; a clean
+    # exit destroys the group before that, an uncaught exception leaves it (other ranks may be in a collective)
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    proc = subprocess.run(
+        [sys.executable, str(script), str(_free_port()), how],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == (0 if how == "return" else 1), proc.stderr[-3000:]
+    assert f"initialized at exit: {how == 'raise'}" in proc.stdout

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -91,6 +93,8 @@ def _init(
         dist.init_process_group(
             backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=pg_timeout
         )
+        atexit.unregister(_destroy_at_exit)  # once, however often a process launches
+        atexit.register(_destroy_at_exit)
     set_seed(seed)
     if verbose:
         logger.info(
@@ -99,6 +103,18 @@ def _init(
             f"{pg_timeout.total_seconds():g} s{', collective checks on' if debug else ''}",
             ranks=[0],
         )
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the process group a script left alive, while the interpreter is still whole.
+
+    Without it, gloo's worker threads may still hold finished work (tensors with Python references) when the
+    interpreter finalises; releasing them then takes the GIL of a dying interpreter and aborts the process
+    ("terminate called without an active exception", exit code 134) after a run that succeeded. After an uncaught
+    exception the group is left alone: destroying it could wait on ranks that are still inside a collective.
+    """
+    if dist.is_initialized() and getattr(sys, "last_value", None) is None:
+        dist.destroy_process_group()
 
 
 def launch(
