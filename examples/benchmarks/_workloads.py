@@ -29,18 +29,22 @@ class Workload:
     close: Callable[[], None]
 
 
-def build_model(config, device: torch.device, *, grad_ckpt: bool | str) -> LlamaForCausalLM:
+def build_model(
+    config, device: torch.device, *, grad_ckpt: bool | str, offload_activations: float = 0.0
+) -> LlamaForCausalLM:
     """Random-weight fp32 model built directly on ``device`` (no host copy of an 8B model). ``grad_ckpt``: False,
     True or "full" (every block recomputed), or "selective" (matmul and attention outputs kept), the same for cai
-    and the peers."""
+    and the peers. ``offload_activations``: the leading fraction of blocks whose activations wait in host memory
+    (the checkpointing policy then applies to the others)."""
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model.config.use_cache = False
-    if grad_ckpt:
+    if grad_ckpt or offload_activations:
         from cai.booster import activation_checkpointing
 
         # Non-reentrant checkpointing works under FSDP2 and torch.compile as well as eager.
-        activation_checkpointing(model, "selective" if grad_ckpt == "selective" else "full")
+        policy = "selective" if grad_ckpt == "selective" else "full" if grad_ckpt else "none"
+        activation_checkpointing(model, policy, offload=offload_activations)
     return model
 
 
@@ -187,6 +191,7 @@ def cai(
     grad_ckpt: bool,
     kernels: bool,
     lazy: bool = False,
+    offload_activations: float = 0.0,
 ) -> Workload:
     """The model through ``Booster.boost`` with the plugin ``choice`` names and HybridAdam (Colossal-AI's
     benchmark setup; AdamW under FSDP); ``kernels`` swaps in cai's fused kernels first. ``batch_of(r)`` is
@@ -206,9 +211,11 @@ def cai(
         from cai.booster import LazyInitContext
 
         with LazyInitContext(default_device=device):
-            model = build_model(config, torch.device("cpu"), grad_ckpt=grad_ckpt)
+            model = build_model(
+                config, torch.device("cpu"), grad_ckpt=grad_ckpt, offload_activations=offload_activations
+            )
     else:
-        model = build_model(config, device, grad_ckpt=grad_ckpt)
+        model = build_model(config, device, grad_ckpt=grad_ckpt, offload_activations=offload_activations)
     if kernels:
         from cai.kernels import patch_hf_model
 

@@ -98,6 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "matmul and attention outputs and recomputes the elementwise ops",
     )
     p.add_argument(
+        "--offload-activations",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="cai rows: the leading fraction of blocks whose activations wait in pinned host memory, copied on a "
+        "side stream (cai.booster.activation_checkpointing(offload=...)); -g then applies to the other blocks",
+    )
+    p.add_argument(
         "--precision",
         choices=("auto", "bf16", "fp16", "fp32"),
         default="auto",
@@ -374,7 +382,7 @@ def main(args: argparse.Namespace) -> None:
     for choice in [] if args.no_cai else choices:
         build = lambda choice=choice: _workloads.cai(  # noqa: E731
             config, batch_of, device=device, choice=choice, grad_ckpt=args.grad_checkpoint, kernels=args.kernels,
-            lazy=args.lazy,
+            lazy=args.lazy, offload_activations=args.offload_activations,
         )  # fmt: skip
         # A hybrid replica's tp x pp x sp ranks share its batch: each device does 1 / (tp x pp x sp) of it.
         share = choice.hybrid.model_parallel if choice.hybrid else 1
@@ -388,7 +396,9 @@ def main(args: argparse.Namespace) -> None:
         print(
             f"\n### Llama {args.config}: {shape.num_params / 1e9:.3g}B params (h{config.hidden_size} "
             f"L{config.num_hidden_layers} vocab {config.vocab_size}), b{args.batch_size} s{args.max_length}"
-            f"{f' activation checkpointing ({args.grad_checkpoint})' if args.grad_checkpoint else ''}, {precision}, {world} x {gpu}, "
+            f"{f' activation checkpointing ({args.grad_checkpoint})' if args.grad_checkpoint else ''}"
+            f"{f', cai blocks offloaded: {args.offload_activations:g}' if args.offload_activations else ''}, "
+            f"{precision}, {world} x {gpu}, "
             f"median of {args.steps} steps after {args.warmup}; MFU against {args.peak_tflops:g} TFLOP/s\n"
         )
         print(table(rows, [r for r in peer_rows if r.status == "ok"]), flush=True)

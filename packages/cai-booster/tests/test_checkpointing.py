@@ -121,12 +121,16 @@ def test_bad_arguments_are_named() -> None:
         activation_checkpointing(torch.nn.Linear(2, 2))
 
 
-def _hybrid_losses(policy, ratio: float) -> list[float]:
+def _hybrid_losses(policy, ratio: float, offload: float = 0.0) -> list[float]:
     from cai.booster import Booster
     from cai.booster.plugin import HybridParallelConfig, HybridParallelPlugin
 
     config = HybridParallelConfig(
-        tp_size=2, precision="fp32", gradient_checkpointing=policy, gradient_checkpointing_ratio=ratio
+        tp_size=2,
+        precision="fp32",
+        gradient_checkpointing=policy,
+        gradient_checkpointing_ratio=ratio,
+        activation_offload=offload,
     )
     model = _llama()
     booster = Booster(plugin=HybridParallelPlugin(config=config), device="cpu")
@@ -141,18 +145,162 @@ def _hybrid_losses(policy, ratio: float) -> list[float]:
         opt.zero_grad()
         losses.append(loss.item())
     layers = [m for m in model.unwrap().modules() if type(m).__name__ == "LlamaDecoderLayer"]
-    assert sum(m.gradient_checkpointing for m in layers) == (int(ratio * 4) if policy else 0)
+    assert sum(m.gradient_checkpointing for m in layers) == (
+        min(int(ratio * 4), 4 - int(offload * 4)) if policy else 0
+    )
+    assert sum(m.__dict__.get("_cai_offload", (0, 0, False))[2] for m in layers) == int(offload * 4)
     return losses
 
 
 def _hybrid_compare() -> None:
     plain = _hybrid_losses(False, 1.0)
-    for policy, ratio in (("selective", 1.0), ("full", 0.5)):
-        assert_close(torch.tensor(_hybrid_losses(policy, ratio)), torch.tensor(plain), rtol=1e-6, atol=1e-7,
-                     name=f"{policy} {ratio}")  # fmt: skip
+    for policy, ratio, offload in (("selective", 1.0, 0.0), ("full", 0.5, 0.0), ("full", 1.0, 0.5)):
+        assert_close(torch.tensor(_hybrid_losses(policy, ratio, offload)), torch.tensor(plain), rtol=1e-6, atol=1e-7,
+                     name=f"{policy} {ratio} offload {offload}")  # fmt: skip
 
 
 def test_hybrid_plugin_checkpoints_under_tensor_parallelism() -> None:
     from cai.mesh.testing import run_distributed
 
     run_distributed(_hybrid_compare, 2)
+
+
+# ---- activation offload ---------------------------------------------------------------------------------------
+
+
+def _saved_storage_bytes(model, ids, blocks: int) -> int:
+    """Bytes of the distinct storages the first ``blocks`` blocks save for backward (parameters and tensors below
+    MIN_BYTES aside): what offloading those blocks must move, counted independently of the offloader."""
+    from cai.booster._checkpointing import checkpoint_blocks
+    from cai.booster._offload import MIN_BYTES
+
+    seen: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params and t.numel() * t.element_size() >= MIN_BYTES:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    handles = []
+    for block in checkpoint_blocks(model)[:blocks]:
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        handles.append(block.register_forward_pre_hook(lambda *_, h=hooks: h.__enter__()))
+        handles.append(block.register_forward_hook(lambda *_, h=hooks: h.__exit__(None, None, None)))
+    model(input_ids=ids, labels=ids).loss.backward()
+    for h in handles:
+        h.remove()
+    model.zero_grad()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize(
+    ("policy", "offload"), [("none", 1.0), ("none", 0.5), ("full", 0.5), ("selective", 0.25)]
+)
+def test_offload_keeps_the_gradients_and_moves_what_blocks_save(policy: str, offload: float) -> None:
+    from cai.booster._checkpointing import checkpoint_blocks
+
+    base = _llama()
+    ids = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads, _, ref_mm = _run(copy.deepcopy(base), ids)
+    model = copy.deepcopy(base)
+    expected = _saved_storage_bytes(model, ids, int(4 * offload))
+    recomputed = activation_checkpointing(model, policy, offload=offload)
+    assert recomputed == (0 if policy == "none" else 4 - int(4 * offload))
+    offloader = checkpoint_blocks(model)[0].__dict__["_cai_offload"][0]
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t, lambda t: t
+    ):  # an outer hook the blocks' nest in
+        loss = model(input_ids=ids, labels=ids).loss
+    assert offloader.bytes_to_host == expected > 0 and offloader.bytes_to_device == 0
+    with _CountMatmuls() as mm:
+        loss.backward()
+    assert offloader.bytes_to_device == expected  # each storage back once, shared views included
+    assert loss.item() == ref_loss
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, ref_grads[name]), name  # the bytes went to the host and back unchanged
+    assert mm.count == ref_mm + (6 * recomputed if policy == "full" else 0)
+
+
+def test_offloaded_micro_batches_keep_their_own_activations() -> None:
+    from cai.booster._checkpointing import checkpoint_blocks
+
+    base = _llama(layers=3)
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 128, (2, 64), generator=gen) for _ in range(3)]
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    activation_checkpointing(model, "none", offload=1.0, prefetch=1)
+    losses = {}
+    for m in (ref, model):  # every forward first, then the backwards, in the same order as a 1F1B warm-up
+        outs = [m(input_ids=ids, labels=ids).loss for ids in batches]
+        for loss in outs:
+            loss.backward()
+        losses[m is model] = [loss.item() for loss in outs]
+    assert losses[True] == losses[False]
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(q.grad, p.grad), name
+    offloader = checkpoint_blocks(model)[0].__dict__["_cai_offload"][0]
+    assert offloader.bytes_to_device == offloader.bytes_to_host > 0
+
+
+def test_offload_is_off_in_eval_and_again_when_set_to_zero() -> None:
+    from cai.booster._checkpointing import checkpoint_blocks
+
+    model = _llama(layers=2)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+    activation_checkpointing(model, "none", offload=1.0)
+    offloader = checkpoint_blocks(model)[0].__dict__["_cai_offload"][0]
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.eval()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert offloader.bytes_to_host == 0
+    model.train()
+    activation_checkpointing(model, "none")
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert offloader.bytes_to_host == 0 and "_cai_offload" not in checkpoint_blocks(model)[0].__dict__
+    with pytest.raises(ValueError, match=re.escape("offload=2.0 must be in")):
+        activation_checkpointing(model, offload=2.0)
+    with pytest.raises(ValueError, match=re.escape("prefetch=-1 must be >= 0")):
+        activation_checkpointing(model, offload=0.5, prefetch=-1)
+
+
+def _plugin_losses(plugin: str, offload: float) -> tuple[list[float], int]:
+    from cai.booster import Booster
+    from cai.booster._checkpointing import checkpoint_blocks
+    from cai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
+
+    made = {
+        "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
+        "gemini": lambda: GeminiPlugin(precision="fp32"),
+    }
+    booster = Booster(plugin=made[plugin](), device="cpu")
+    model = _llama()
+    activation_checkpointing(model, "full", ratio=0.5, offload=offload)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    gen = torch.Generator().manual_seed(5 + torch.distributed.get_rank())
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 128), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    spec = checkpoint_blocks(model.unwrap())[0].__dict__.get("_cai_offload")
+    return losses, spec[0].bytes_to_device if spec else 0
+
+
+def _plugins_compare() -> None:
+    for plugin in ("zero2", "gemini"):
+        plain, _ = _plugin_losses(plugin, 0.0)
+        offloaded, moved = _plugin_losses(plugin, 0.5)
+        assert offloaded == plain, plugin  # the blocks' hooks compose with the plugins' parameter hooks
+        assert moved > 0, plugin
+
+
+def test_offload_composes_with_the_zero_and_gemini_plugins() -> None:
+    from cai.mesh.testing import run_distributed
+
+    run_distributed(_plugins_compare, 2)

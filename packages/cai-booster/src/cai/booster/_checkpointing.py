@@ -1,5 +1,6 @@
 """Activation checkpointing of a model's repeated blocks: full (keep only each block's input) or selective (keep the
-matmul and attention outputs, recompute the elementwise rest), on all blocks or a leading fraction of them.
+matmul and attention outputs, recompute the elementwise rest), on all blocks or a leading fraction of them; and
+activation offload of a leading fraction of the blocks to pinned host memory ([Note: activation offload]).
 
 [Note: selective checkpointing]
 A decoder block's activations are mostly the outputs of cheap elementwise ops (norms, rotary, SiLU, products,
@@ -24,6 +25,8 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from cai.booster._offload import Offloader, clear_offload, set_offload
 
 __all__ = ["SAVED_OPS", "activation_checkpointing"]
 
@@ -111,8 +114,11 @@ def _set(block: nn.Module, policy: Policy) -> None:
     block.__dict__["_cai_checkpoint"] = _checkpoint_fn(policy)
 
 
-def activation_checkpointing(model: nn.Module, policy: Policy = "full", *, ratio: float = 1.0) -> int:
-    """Recompute activations of ``model``'s blocks in backward, in place; returns the number of blocks set.
+def activation_checkpointing(
+    model: nn.Module, policy: Policy = "full", *, ratio: float = 1.0, offload: float = 0.0, prefetch: int = 2
+) -> int:
+    """Recompute activations of ``model``'s blocks in backward, or keep them in host memory, in place; returns the
+    number of blocks recomputed.
 
     Args:
         model: a Hugging Face model (its ``GradientCheckpointingLayer`` blocks) or any module with an
@@ -122,13 +128,22 @@ def activation_checkpointing(model: nn.Module, policy: Policy = "full", *, ratio
             turns checkpointing off.
         ratio: the leading fraction of blocks that get ``policy`` (the first ``int(ratio * blocks)``); the rest keep
             all their activations.
+        offload: the leading fraction of blocks (the first ``int(offload * blocks)``) whose saved activations wait
+            for backward in pinned host memory, copied there and back on a side stream while other blocks compute
+            (see [Note: activation offload]); ``policy`` then applies to the blocks after them, at most
+            ``int(ratio * blocks)``, so ``activation_checkpointing(model, "full", offload=0.25)`` offloads a
+            quarter and recomputes the rest.
+        prefetch: how many blocks ahead of backward the offloaded activations are copied back (device memory for
+            that many blocks' activations, traded for time to hide the copies).
 
     Calling it again replaces the previous setting. Gradients are the same as without checkpointing (the recompute
-    runs the same ops; dropout draws the same numbers, as torch's checkpoint restores the RNG state).
+    runs the same ops; dropout draws the same numbers, as torch's checkpoint restores the RNG state), and the same
+    with offload (the bytes go to the host and back unchanged).
 
     Example:
         >>> activation_checkpointing(model, "selective")       # every block: keep matmuls, recompute the rest
         >>> activation_checkpointing(model, "full", ratio=0.5)  # the first half of the blocks recomputed fully
+        >>> activation_checkpointing(model, "selective", offload=0.25)  # a quarter on the host, the rest selective
     """
     if policy not in ("full", "selective", "none"):
         raise ValueError(f"activation_checkpointing: policy={policy!r}; use 'full', 'selective' or 'none'")
@@ -136,8 +151,17 @@ def activation_checkpointing(model: nn.Module, policy: Policy = "full", *, ratio
         raise ValueError(
             f"activation_checkpointing: ratio={ratio} must be in [0, 1] (the fraction of blocks)"
         )
+    if not 0.0 <= offload <= 1.0:
+        raise ValueError(
+            f"activation_checkpointing: offload={offload} must be in [0, 1] (the fraction of blocks)"
+        )
     blocks = checkpoint_blocks(model)
-    chosen = int(ratio * len(blocks)) if policy != "none" else 0
+    offloaded = int(offload * len(blocks))
+    recomputed = min(int(ratio * len(blocks)), len(blocks) - offloaded) if policy != "none" else 0
     for i, block in enumerate(blocks):
-        _set(block, policy if i < chosen else "none")
-    return chosen
+        _set(block, policy if offloaded <= i < offloaded + recomputed else "none")
+    if offloaded:
+        set_offload(blocks, offloaded, Offloader(prefetch=prefetch))
+    else:
+        clear_offload(blocks)
+    return recomputed

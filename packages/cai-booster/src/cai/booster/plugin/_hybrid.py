@@ -142,6 +142,9 @@ class HybridParallelConfig:
         gradient_checkpointing_ratio: the leading fraction of each pipeline stage's blocks that are recomputed
             (the first ``int(ratio * blocks)``, Colossal-AI's ``GradientCheckpointConfig``); the rest keep all
             their activations.
+        activation_offload: the leading fraction of each stage's blocks whose activations wait in pinned host
+            memory instead (copied on a side stream; ``activation_checkpointing(offload=...)``); checkpointing
+            then applies to the blocks after them.
 
     Example::
 
@@ -163,6 +166,7 @@ class HybridParallelConfig:
     custom_policy: Any = None
     gradient_checkpointing: bool | Literal["full", "selective"] = False
     gradient_checkpointing_ratio: float = 1.0
+    activation_offload: float = 0.0
 
     def __post_init__(self) -> None:
         owner = "HybridParallelPlugin"
@@ -175,6 +179,11 @@ class HybridParallelConfig:
             raise ValueError(
                 f"{owner}: gradient_checkpointing_ratio={self.gradient_checkpointing_ratio} must be in [0, 1] (the "
                 "fraction of each stage's blocks recomputed)"
+            )
+        if not 0.0 <= self.activation_offload <= 1.0:
+            raise ValueError(
+                f"{owner}: activation_offload={self.activation_offload} must be in [0, 1] (the fraction of each "
+                "stage's blocks offloaded)"
             )
         check_precision(self.precision, _PRECISIONS, owner=owner)
         for name in ("tp_size", "pp_size", "sp_size"):
@@ -362,9 +371,13 @@ class HybridParallelPlugin(Plugin):
             place_replicated(model, ctx)
         model = self._shard(model)
         module: nn.Module = self._split(model) if self.pp_size > 1 else model
-        if cfg.gradient_checkpointing:  # after the split: the ratio counts this stage's blocks
-            policy = "full" if cfg.gradient_checkpointing is True else cfg.gradient_checkpointing
-            activation_checkpointing(module, policy, ratio=cfg.gradient_checkpointing_ratio)
+        if (
+            cfg.gradient_checkpointing or cfg.activation_offload
+        ):  # after the split: ratios count this stage's blocks
+            policy = "full" if cfg.gradient_checkpointing is True else cfg.gradient_checkpointing or "none"
+            activation_checkpointing(
+                module, policy, ratio=cfg.gradient_checkpointing_ratio, offload=cfg.activation_offload
+            )
         rename = module.global_name if self.pp_size > 1 else _same
         # a peft model is named by its base model's names, as the checkpoint states see it (ModelWrapper.unwrap)
         named_from = module.get_base_model() if _is_peft(module) else module
