@@ -59,6 +59,9 @@ ROWS = [
     Row("3b-gemini-host16", "3b", _c("gemini", "full", 16, offload_optim_frac=1.0)),
     Row("3b-zero2-full16", "3b", _c("zero2", "full", 16)),
     Row("8b-zero2-full", "8b", _c("zero2", "full", 2)),
+    Row("8b-zero2-none-accum", "8b", _c("zero2", "none", 1, 2)),
+    Row("8b-zero2-offload", "8b", _c("zero2", "none", 2, offload_activations=0.25)),
+    Row("8b-zero2-full-offload", "8b", _c("zero2", "full", 2, offload_activations=0.25)),
     Row(
         "8b-gemini-host-params", "8b", _c("gemini", "full", 8, offload_optim_frac=0.9, offload_param_frac=1.0)
     ),
@@ -101,8 +104,8 @@ def measure(row: Row, args: argparse.Namespace) -> dict:
 
     with LazyInitContext(default_device=device):
         model = LlamaForCausalLM(config)
-    if c.recompute != "none":
-        activation_checkpointing(model, c.recompute)
+    if c.recompute != "none" or c.offload_activations:
+        activation_checkpointing(model, c.recompute, offload=c.offload_activations)
     if args.kernels:
         patch_hf_model(model)
     opt = (
@@ -179,7 +182,8 @@ def predict(row: Row, args: argparse.Namespace, hw) -> dict:
     cuda = args.device == "cuda"
     p = plan(model, seq_len=args.seq, global_batch=c.micro_batch * c.accumulation, hardware=hw,
              precision="bf16" if cuda else "fp32", kernels=args.kernels, device=args.device,
-             plugins=(c.plugin,), recompute=(c.recompute,), micro_batches=(c.micro_batch,))  # fmt: skip
+             plugins=(c.plugin,), recompute=(c.recompute,), micro_batches=(c.micro_batch,),
+             offload_activations=(c.offload_activations,))  # fmt: skip
     r = next(r for r in p.rows if r.candidate == c)
     return {"gpu_gib": r.gpu_bytes / GiB, "host_gib": r.host_bytes / GiB, "tokens_per_s": r.tokens_per_s,
             "label": c.label}  # fmt: skip

@@ -308,7 +308,7 @@ PLAN_3B = ["plan", "--model", "3b", "--gpu-mem", "24", "--host-mem", "120", "--g
 def test_cli_prints_the_table_with_the_best_row_marked(capsys, no_stored_calibration) -> None:
     assert main(PLAN_3B) == 0
     out = capsys.readouterr().out
-    assert "| configuration | recompute |" in out
+    assert "| configuration | activations |" in out
     assert len([line for line in out.splitlines() if line.startswith("| * |")]) == 1
     assert "fastest of" in out
 
@@ -348,3 +348,40 @@ def test_unknown_plugin_or_recompute_names_the_choices() -> None:
         plan("1b", plugins=("zero3",), hardware=H200)
     with pytest.raises(ValueError, match=r"'partial' unknown.*recompute policies none, selective, full"):
         plan("1b", recompute=("partial",), hardware=H200)
+
+
+def test_offloaded_layers_trade_recompute_and_gpu_memory_for_pcie_time() -> None:
+    fractions = (0.0, 0.25, 0.5, 1.0)
+    p = plan("8b", global_batch=2, hardware=H200, plugins=("zero2",), micro_batches=(2,),
+             offload_activations=fractions)  # fmt: skip
+    assert {r.candidate.offload_activations for r in p.rows} == set(fractions)
+    assert all(r.candidate.recompute == "none" for r in p.rows if r.candidate.offload_activations == 1.0)
+    for policy in ("none", "selective", "full"):
+        rows = [p.find(recompute=policy, offload=False, offload_activations=f) for f in fractions[:3]]
+        base, quarter, _ = rows
+        saved = [r.estimate.gpu_parts["saved activations"] for r in rows]
+        exposed = [r.estimate.time_parts.get("activation offload (exposed)", 0.0) for r in rows]
+        assert exposed[0] == 0 < exposed[1] < exposed[2], (policy, exposed)
+        if policy == "none":  # the offloaded layers leave the GPU (but those in flight)
+            assert saved[0] > saved[1] > saved[2], saved
+            assert quarter.gpu_bytes < base.gpu_bytes
+        else:  # and run without their recomputation
+            assert quarter.estimate.time_parts["compute"] < base.estimate.time_parts["compute"]
+    # offload is priced only when asked for, and only beside a GPU
+    assert {r.candidate.offload_activations for r in plan("1b", hardware=H200).rows} == {0.0}
+    cpu = plan(
+        "tiny" if "tiny" in PRESETS else "1b", hardware=H200, device="cpu", offload_activations=(0.0, 0.5)
+    )
+    assert {r.candidate.offload_activations for r in cpu.rows} == {0.0}
+    with pytest.raises(ValueError, match=r"offload_activations=\(1.5,\); give fractions in \[0, 1\]"):
+        plan("1b", hardware=H200, offload_activations=(1.5,))
+
+
+def test_cli_prices_offloaded_activations_when_asked(capsys, no_stored_calibration) -> None:
+    args = ["plan", "--model", "8b", "--global-batch", "2", "--plugins", "zero2", "--top", "0", "--json"]
+    assert main([*args, "--offload-activations", "0.25"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["candidate"]["offload_activations"] for r in rows} == {0.0, 0.25}
+    assert any(r["label"].endswith("+ 0.25 on host, mb 2 x 1") for r in rows)
+    assert main([*args, "--offload-activations", "a"]) == 2
+    assert "give fractions" in capsys.readouterr().err

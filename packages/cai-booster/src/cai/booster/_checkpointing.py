@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from cai.booster._offload import Offloader, clear_offload, set_offload
+from cai.booster._offload import PREFETCH, Offloader, clear_offload, set_offload
 
 __all__ = ["SAVED_OPS", "activation_checkpointing"]
 
@@ -115,7 +115,12 @@ def _set(block: nn.Module, policy: Policy) -> None:
 
 
 def activation_checkpointing(
-    model: nn.Module, policy: Policy = "full", *, ratio: float = 1.0, offload: float = 0.0, prefetch: int = 2
+    model: nn.Module,
+    policy: Policy = "full",
+    *,
+    ratio: float = 1.0,
+    offload: float = 0.0,
+    prefetch: int = PREFETCH,
 ) -> int:
     """Recompute activations of ``model``'s blocks in backward, or keep them in host memory, in place; returns the
     number of blocks recomputed.

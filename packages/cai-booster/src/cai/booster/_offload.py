@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["MIN_BYTES", "Offloader"]
+__all__ = ["MIN_BYTES", "PREFETCH", "Offloader"]
 
 MIN_BYTES = 1 << 16  # smaller saved tensors stay on the device
+PREFETCH = 2  # blocks copied back ahead of backward, by default
 
 
 @dataclass(eq=False)
@@ -81,7 +82,7 @@ def _is_parameter(t: torch.Tensor) -> bool:
 class Offloader:
     """The offload of one model's blocks: the side stream, the byte counts, and the last record of each pass."""
 
-    def __init__(self, *, prefetch: int = 2, min_bytes: int = MIN_BYTES) -> None:
+    def __init__(self, *, prefetch: int = PREFETCH, min_bytes: int = MIN_BYTES) -> None:
         if prefetch < 0:
             raise ValueError(
                 f"activation offload: prefetch={prefetch} must be >= 0 (blocks copied back ahead)"

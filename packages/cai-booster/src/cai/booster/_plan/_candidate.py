@@ -20,7 +20,10 @@ class Candidate:
         plugin: ``ddp`` (TorchDDPPlugin, bf16 autocast over fp32 weights), ``fsdp`` (TorchFSDPPlugin), ``zero1`` /
             ``zero2`` (LowLevelZeroPlugin), ``gemini`` (GeminiPlugin), ``hybrid`` (HybridParallelPlugin, ZeRO-1 over
             its data-parallel axis).
-        recompute: activation checkpointing of every decoder layer (``cai.booster.activation_checkpointing``).
+        recompute: activation checkpointing of every decoder layer (``cai.booster.activation_checkpointing``)
+            that is not offloaded.
+        offload_activations: the leading fraction of decoder layers whose activations wait in host memory
+            (``activation_checkpointing(offload=...)``).
         micro_batch: sequences per rank per forward.
         accumulation: micro-batches per optimizer step (the earlier ones under ``booster.no_sync``).
         offload: zero1/zero2: fp32 masters and Adam on the host, each bucket's host step overlapped with backward.
@@ -37,6 +40,14 @@ class Candidate:
     offload_param_frac: float = 0.0
     tp: int = 1
     pp: int = 1
+    offload_activations: float = 0.0
+
+    @property
+    def activations(self) -> str:
+        """The recompute policy, and the share of layers offloaded when there is one."""
+        if not self.offload_activations:
+            return self.recompute
+        return f"{self.recompute} + {self.offload_activations:g} on host"
 
     @property
     def host_params_frac(self) -> float:
@@ -57,7 +68,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"{self.plugin_label}, {self.recompute}, mb {self.micro_batch} x {self.accumulation}"
+        return f"{self.plugin_label}, {self.activations}, mb {self.micro_batch} x {self.accumulation}"
 
     def plugin_call(self, precision: str) -> Call:
         """The plugin as a call: its class and keyword arguments (Colossal-AI's names where they exist)."""

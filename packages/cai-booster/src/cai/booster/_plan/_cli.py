@@ -37,6 +37,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--plugins", default=None, help="comma list to consider (ddp,fsdp,zero1,zero2,gemini,hybrid)"
     )
     p.add_argument(
+        "--offload-activations",
+        default=None,
+        metavar="FRACTIONS",
+        help="comma list of fractions of the decoder layers whose activations may wait in host memory, priced "
+        "beside keeping them all on the GPU (e.g. 0.25,0.5; none by default)",
+    )
+    p.add_argument(
         "--largest",
         action="store_true",
         help="find the most decoder layers of MODEL's width that still fit the budgets, and plan that model",
@@ -77,6 +84,16 @@ def plan_command(args: argparse.Namespace) -> int:
         )
         return 2
     plugins = tuple(x for x in args.plugins.split(",") if x) if args.plugins else None
+    offload = (0.0,)
+    if args.offload_activations:
+        try:
+            offload += tuple(float(x) for x in args.offload_activations.split(",") if x)
+        except ValueError:
+            print(
+                f"cai plan: --offload-activations {args.offload_activations!r}: give fractions",
+                file=sys.stderr,
+            )
+            return 2
     try:
         search = largest_model if args.largest else plan
         extra = {"log": lambda m: print(f"cai plan: {m}", file=sys.stderr)} if args.largest else {}
@@ -91,6 +108,7 @@ def plan_command(args: argparse.Namespace) -> int:
             kernels=not args.no_kernels,
             hardware=hw,
             plugins=plugins,
+            offload_activations=offload,
             **extra,
         )
     except ValueError as e:

@@ -18,7 +18,8 @@ The loss's tensors are freed before the first gradient exists, so they count aga
 them; ddp and fsdp gradients appear parameter by parameter, so the first layer's recomputation (the last) runs
 without its own and the input embedding's gradients, while zero's buckets and gemini's chunks are allocated whole.
 Activations come from ``cai.gemini.activation_bytes`` (tensor parallelism divides them by tp; the first pipeline
-stage holds pp micro-batches of its L/pp layers in 1F1B, one micro-batch of all layers). The host peak adds the
+stage holds pp micro-batches of its L/pp layers in 1F1B, one micro-batch of all layers). Offloaded layers
+([Note: activation offload]) hold none on the device but the ``PREFETCH + 1`` layers in flight. The host peak adds the
 process itself (``Hardware.host_base_bytes``, measured by calibration); models are built lazily
 (``LazyInitContext``) or on the device.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from cai.booster._offload import PREFETCH
 from cai.booster._plan._candidate import Candidate
 from cai.booster._plan._cost import step_seconds
 from cai.booster._plan._hardware import Hardware
@@ -67,8 +69,7 @@ def estimate_candidate(
     gpu = device == "cuda"
     shard = c.tp * c.pp  # ranks one replica's model is cut over
     P = spec.params / shard
-    act = activation_bytes(spec.shape, c.micro_batch, seq, recompute=c.recompute, wbytes=wb, fused_loss=kernels,
-                           fused_norms=kernels)  # fmt: skip
+    act = _activations(c, spec, seq=seq, wb=wb, kernels=kernels)
     if shard > 1:
         # per layer work and the vocabulary split over tp; a pp stage holds pp micro-batches of L/pp layers
         act = {k: int(v / c.tp) for k, v in act.items()}
@@ -138,6 +139,32 @@ def estimate_candidate(
                     {k_: int(v) for k_, v in parts.items() if v}, host_parts, times)  # fmt: skip
 
 
+def _activations(c: Candidate, spec: ModelSpec, *, seq: int, wb: int, kernels: bool) -> dict[str, int]:
+    s = spec.shape
+    kw = dict(wbytes=wb, fused_loss=kernels, fused_norms=kernels)
+    act = activation_bytes(s, c.micro_batch, seq, recompute=c.recompute, **kw)
+    off = int(c.offload_activations * s.layers)
+    if off:
+        layer = activation_bytes(s, c.micro_batch, seq, recompute="none", **kw)["saved"] / s.layers
+        kept = act["saved"] / s.layers
+        act["saved"] = int((s.layers - off) * kept + min(off, PREFETCH + 1) * layer)
+    return act
+
+
+def _offload_seconds(c: Candidate, spec: ModelSpec, *, seq: int, wb: int, kernels: bool, pcie_gbs: float,
+                    forward_s: float, backward_s: float) -> float:  # fmt: skip
+    """PCIe time of one micro-batch's offloaded activations that compute does not hide: each direction moves the
+    offloaded layers' activations, out during forward and back during backward."""
+    s = spec.shape
+    off = int(c.offload_activations * s.layers)
+    if not off:
+        return 0.0
+    kw = dict(wbytes=wb, fused_loss=kernels, fused_norms=kernels)
+    layer = activation_bytes(s, c.micro_batch, seq, recompute="none", **kw)["saved"] / s.layers / c.tp
+    io = off * layer / (pcie_gbs * 1e9)
+    return max(0.1 * io, io - forward_s) + max(0.1 * io, io - backward_s)
+
+
 @functools.lru_cache(maxsize=16)
 def _chunk_layout(numels: tuple[int, ...], dp: int, hidden: int) -> ChunkLayout:
     """Gemini's chunk layout, searched once per model and group size (seconds for a 70B model; a plan prices
@@ -162,11 +189,22 @@ def _time(c: Candidate, spec: ModelSpec, hw: Hardware, *, seq: int, dp: int, wb:
     mb = step_seconds(
         spec, hw, tokens=tokens, seq=seq, wbytes=wb, recompute=c.recompute, kernels=kernels, tp=c.tp
     )
+    off = int(c.offload_activations * spec.shape.layers) / spec.shape.layers
+    if off:  # recomputation is per layer: the offloaded layers' share runs as without it
+        plain = step_seconds(
+            spec, hw, tokens=tokens, seq=seq, wbytes=wb, recompute="none", kernels=kernels, tp=c.tp
+        )
+        mb = (1 - off) * mb + off * plain
     mb /= c.pp
     backward = mb * (0.75 if c.recompute == "full" else 2 / 3)
     bw = hw.comm_gbs * 1e9
     pcie = hw.pcie_gbs * 1e9
     t: dict[str, float] = {"compute": k * mb}
+    if off:
+        t["activation offload (exposed)"] = k * _offload_seconds(
+            c, spec, seq=seq, wb=wb, kernels=kernels, pcie_gbs=hw.pcie_gbs, forward_s=mb - backward,
+            backward_s=backward,
+        )  # fmt: skip
     # memory-bound weight traffic around the matmuls, per micro-batch: DDP's autocast reads fp32 weights and writes
     # bf16 copies every forward and folds bf16 gradients into fp32 ones; FSDP2 also casts into its gather buffers
     # (forward and backward) and gradients into fp32 for its reduce-scatter

@@ -96,7 +96,7 @@ class Plan:
 
     def table(self, limit: int | None = 15) -> str:
         mfu = self.hardware.peak_tflops is not None
-        head = ["", "configuration", "recompute", "micro-batch x accum", "GPU GiB", "host GiB", "tok/s/GPU"]
+        head = ["", "configuration", "activations", "micro-batch x accum", "GPU GiB", "host GiB", "tok/s/GPU"]
         head += ["MFU"] if mfu else []
         head += ["fits"]
         feasible = self.feasible
@@ -106,7 +106,7 @@ class Plan:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in shown:
             c = r.candidate
-            cells = ["*" if r is self.best else "", c.plugin_label, c.recompute, f"{c.micro_batch} x {c.accumulation}",
+            cells = ["*" if r is self.best else "", c.plugin_label, c.activations, f"{c.micro_batch} x {c.accumulation}",
                      f"{r.gpu_bytes / GiB:.1f}", f"{r.host_bytes / GiB:.1f}", f"{r.tokens_per_s:,.0f}"]  # fmt: skip
             cells += [f"{100 * r.mfu:.1f}%"] if mfu else []
             cells += ["yes" if r.fits else "no"]
@@ -132,7 +132,7 @@ class Plan:
         if runner is not None:
             why += f" ({b.tokens_per_s / runner.tokens_per_s:.2f}x the next plugin, {runner.candidate.label})"
         return (
-            f"{b.plugin}, recompute {b.candidate.recompute}, micro-batch {b.candidate.micro_batch} x "
+            f"{b.plugin}, activations {b.candidate.activations}, micro-batch {b.candidate.micro_batch} x "
             f"{b.candidate.accumulation} accumulation: predicted {b.tokens_per_s:,.0f} tok/s/GPU at "
             f"{b.gpu_bytes / GiB:.1f} GiB GPU and {b.host_bytes / GiB:.1f} GiB host; {why}"
         )
@@ -212,6 +212,7 @@ def _powers_of_two_dividing(n: int) -> list[int]:
 def candidates(
     spec: ModelSpec, *, gpus: int, global_batch: int, device: str = "cuda", plugins: tuple[str, ...] | None = None,
     recompute: tuple[str, ...] = RECOMPUTE, micro_batches: tuple[int, ...] | None = None, host_offload: bool = True,
+    offload_activations: tuple[float, ...] = (0.0,),
 ) -> list[tuple[Candidate, int]]:  # fmt: skip
     """Every configuration to price, each with its data-parallel size."""
     layouts: list[tuple[dict, int]] = []  # (fields, dp)
@@ -248,7 +249,14 @@ def candidates(
             if fields.get("pp", 1) > 1 and acc < fields["pp"]:
                 continue  # 1F1B needs at least as many micro-batches as stages
             for r in recompute:
-                out.append((Candidate(recompute=r, micro_batch=mb, accumulation=acc, **fields), dp))
+                for f in offload_activations:
+                    if f and (device != "cuda" or (f == 1.0 and r != "none")):
+                        continue  # host offload only means something beside a GPU; with every layer on the host
+                        # the recompute policy applies to none
+                    c = Candidate(
+                        recompute=r, micro_batch=mb, accumulation=acc, offload_activations=f, **fields
+                    )
+                    out.append((c, dp))
     return out
 
 
@@ -268,6 +276,7 @@ def plan(
     recompute: tuple[str, ...] = RECOMPUTE,
     micro_batches: tuple[int, ...] | None = None,
     host_offload: bool = True,
+    offload_activations: tuple[float, ...] = (0.0,),
 ) -> Plan:
     """Price every configuration of training ``model`` on ``gpus`` GPUs: predicted per-GPU and host peaks and
     tokens/s, feasible configurations first, fastest first.
@@ -287,6 +296,9 @@ def plan(
         device: ``"cuda"`` or ``"cpu"`` (no host offload rows, no CUDA workspace or context).
         plugins, recompute, micro_batches: restrict the search to these values.
         host_offload: consider optimizer and parameter offload to the host (an optimizer that steps there).
+        offload_activations: fractions of the decoder layers whose activations may wait in host memory
+            (``activation_checkpointing(offload=...)``), each combined with every recompute policy for the other
+            layers. Only 0 by default: the PCIe overlap the estimate assumes is not calibrated yet.
 
     Example::
 
@@ -300,6 +312,8 @@ def plan(
             f"plan: {', '.join(map(repr, unknown))} unknown; plugins are {', '.join(PLUGINS)} and recompute "
             f"policies {', '.join(RECOMPUTE)}"
         )
+    if not offload_activations or any(not 0.0 <= f <= 1.0 for f in offload_activations):
+        raise ValueError(f"plan: offload_activations={offload_activations!r}; give fractions in [0, 1]")
     spec = ModelSpec.resolve(model)
     hw = hardware or Hardware.load() or Hardware.h200()
     global_batch = global_batch or 8 * gpus
@@ -309,7 +323,8 @@ def plan(
     host_budget = host_budget_bytes if host_budget_bytes is not None else hw.host_mem_bytes
     rows = []
     for c, dp in candidates(spec, gpus=gpus, global_batch=global_batch, device=device, plugins=plugins,
-                            recompute=recompute, micro_batches=micro_batches, host_offload=host_offload):  # fmt: skip
+                            recompute=recompute, micro_batches=micro_batches, host_offload=host_offload,
+                            offload_activations=offload_activations):  # fmt: skip
         e = estimate_candidate(
             c, spec, hw, seq=seq_len, dp=dp, precision=precision, kernels=kernels, device=device
         )

@@ -112,8 +112,9 @@ class AutoPlugin(DPPluginBase):
             raise ValueError(f"AutoPlugin: {p.summary()}")
         self.chosen = p.best
         get_dist_logger().info(f"AutoPlugin chose {p.summary()}", ranks=[0])
-        if p.best.candidate.recompute != "none":
-            activation_checkpointing(model, p.best.candidate.recompute)
+        c = p.best.candidate
+        if c.recompute != "none" or c.offload_activations:
+            activation_checkpointing(model, c.recompute, offload=c.offload_activations)
         if kernels:
             from cai.kernels import patch_hf_model
 
