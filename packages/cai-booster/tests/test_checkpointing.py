@@ -293,11 +293,18 @@ def _plugin_losses(plugin: str, offload: float) -> tuple[list[float], int]:
 
 
 def _plugins_compare() -> None:
+    from cai.booster._checkpointing import checkpoint_blocks
+
+    alone = _llama()  # the bytes a step moves without a plugin: the plugins' parameters must not add to them
+    activation_checkpointing(alone, "full", ratio=0.5, offload=0.5)
+    ids = torch.randint(0, 128, (2, 128))
+    alone(input_ids=ids, labels=ids).loss.backward()
+    per_step = checkpoint_blocks(alone)[0].__dict__["_cai_offload"][0].bytes_to_device
     for plugin in ("zero2", "gemini"):
         plain, _ = _plugin_losses(plugin, 0.0)
         offloaded, moved = _plugin_losses(plugin, 0.5)
         assert offloaded == plain, plugin  # the blocks' hooks compose with the plugins' parameter hooks
-        assert moved > 0, plugin
+        assert moved == 3 * per_step > 0, plugin
 
 
 def test_offload_composes_with_the_zero_and_gemini_plugins() -> None:
