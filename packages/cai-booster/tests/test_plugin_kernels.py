@@ -1,6 +1,7 @@
 """Kernels a plugin applies at boost(): GeminiPlugin's Colossal-AI kernel switches turn the model's norms and MLPs
 into cai-kernels' fused modules (same Parameters, the same losses as the unpatched model); use_fp8=True on
-LowLevelZeroPlugin and GeminiPlugin runs the linear layers in FP8 and trains within FP8's error of fp32."""
+LowLevelZeroPlugin, GeminiPlugin and HybridParallelPlugin (tp 2) runs the linear layers in FP8 and trains within
+FP8's error of fp32."""
 
 from __future__ import annotations
 
@@ -75,3 +76,32 @@ def _fp8_compare() -> None:
 
 def test_use_fp8_runs_the_linear_layers_in_fp8() -> None:
     run_distributed(_fp8_compare, 1)
+
+
+_TP = dict(make_vocab_size_divisible_by=1)  # the vocabulary of 64 split over 2 ranks as it is
+
+
+def _hybrid_fp8_compare() -> None:
+    from cai.booster.plugin import HybridParallelPlugin
+    from cai.shardformer import Linear1D_Col, Linear1D_Row
+
+    base = _llama()
+    ref = _train(
+        copy.deepcopy(base), HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", **_TP), steps=6
+    )[0]
+    plugin = HybridParallelPlugin(
+        tp_size=2, pp_size=1, precision="fp32", use_fp8=True, fp8_communication=True, **_TP
+    )
+    assert plugin.config.zero.fp8_communication  # Colossal-AI's switch: the data-parallel gradients in FP8
+    model = copy.deepcopy(base)
+    losses, _, _ = _train(model, plugin, steps=6)
+    parallel = {n: m for n, m in model.named_modules() if isinstance(m, (Linear1D_Col, Linear1D_Row))}
+    # every parallel layer whose local features divide by 16 (k and v hold 8 here), never the output head
+    fp8 = {n.split(".")[-1] for n, m in parallel.items() if m.fp8}
+    assert fp8 == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, fp8
+    assert_close(torch.tensor(losses), torch.tensor(ref), rtol=0.02, atol=0.0, name="hybrid fp8")
+    assert losses != ref  # the FP8 matmuls ran
+
+
+def test_hybrid_use_fp8_runs_the_tensor_parallel_products_in_fp8() -> None:
+    run_distributed(_hybrid_fp8_compare, 2)

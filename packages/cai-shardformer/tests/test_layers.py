@@ -269,3 +269,36 @@ def test_errors_name_the_values():
     assert "3 heads" in run_distributed(_bad_heads, 2)[0] and "tp=2" in run_distributed(_bad_heads, 2)[0]
     msg = run_distributed(_vocab_only_padding, 2)[0]
     assert "10" in msg and "make_vocab_size_divisible_by=64" in msg
+
+
+def _fp8_column():
+    """With enable_fp8 a column layer's slice is the unsharded FP8 layer's, exactly: the scales cover the whole
+    input features either way. Ring sequence parallelism has no FP8 path and says so."""
+    from cai.kernels import fp8_linear
+    from cai.shardformer import enable_fp8
+
+    torch.manual_seed(0)
+    native = nn.Linear(H, 2 * H, bias=False)
+    x = torch.randn(B, S, H)
+    ref = fp8_linear(x, native.weight)
+    model = nn.ModuleDict({"proj": Linear1D_Col.from_native_module(copy.deepcopy(native), None)})
+    model["lm_head"] = Linear1D_Col.from_native_module(copy.deepcopy(native), None)
+    assert (
+        enable_fp8(model) == 1 and model["proj"].fp8 and not model["lm_head"].fp8
+    )  # the head stays as it is
+    layer = model["proj"]
+    assert torch.equal(layer(x), _local_cols(ref, layer))
+    assert not torch.equal(
+        layer.eval()(x), _local_cols(ref, layer)
+    )  # evaluation multiplies in the working dtype
+    ring = nn.ModuleDict(
+        {"proj": Linear1D_Col.from_native_module(nn.Linear(H, 2 * H), None, seq_parallel_mode="ring")}
+    )
+    try:
+        enable_fp8(ring)
+    except ValueError as e:
+        return str(e)
+
+
+def test_fp8_column_layer_quantises_as_unsharded():
+    assert "use sequence_parallelism_mode='split_gather' with FP8" in run_distributed(_fp8_column, 2)[0]

@@ -8,7 +8,7 @@ Every kernel function picks the Triton kernel for CUDA tensors and a pure-torch 
 from importlib.metadata import version as _version
 
 from cai.kernels._dispatch import kernel_report, use_triton
-from cai.kernels._fp8 import Fp8Linear, convert_to_fp8, fp8_matmul, quantize_rowwise
+from cai.kernels._fp8 import Fp8Linear, convert_to_fp8, fp8_linear, fp8_matmul, quantize_rowwise
 from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, patch_hf_model
 from cai.kernels._moe import grouped_linear, permute_tokens, unpermute_tokens
@@ -29,6 +29,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "convert_to_fp8",
     "defer_lm_head_loss",
+    "fp8_linear",
     "fp8_matmul",
     "fused_linear_cross_entropy",
     "grouped_linear",

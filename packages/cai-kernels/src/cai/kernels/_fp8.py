@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_matmul", "quantize_rowwise"]
+__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear", "fp8_matmul", "quantize_rowwise"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -97,6 +97,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return dx.reshape(ctx.shape), dw, db
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its forward and both backward matmuls in FP8 (see [Note: fp8 linear])."""
+    return _Fp8LinearFunction.apply(x, weight, bias)
+
+
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` whose forward and backward matmuls run in FP8 with row-wise dynamic scales (the same
     ``weight`` and ``bias`` Parameters; state dicts are unchanged). Built by :func:`convert_to_fp8`."""
@@ -104,7 +109,7 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return F.linear(x, self.weight, self.bias)  # evaluation runs in the parameters' precision
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias)
 
 
 def convert_to_fp8(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",)) -> int:

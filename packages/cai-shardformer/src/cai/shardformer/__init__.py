@@ -16,7 +16,7 @@ from cai.shardformer._embedding import (
     VocabParallelLMHead1D,
     vocab_parallel_cross_entropy,
 )
-from cai.shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row, ParallelModule
+from cai.shardformer._linear import FusedLinear1D_Col, Linear1D_Col, Linear1D_Row, ParallelModule, enable_fp8
 from cai.shardformer._moe import ExpertParallelExperts
 from cai.shardformer._ops import (
     copy_to_tp_region,
@@ -65,6 +65,7 @@ __all__ = [
     "VocabParallelLMHead1D",
     "__version__",
     "copy_to_tp_region",
+    "enable_fp8",
     "gather_from_tp_region",
     "gather_seq",
     "get_rng_tracker",

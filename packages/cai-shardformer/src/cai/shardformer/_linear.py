@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cai.kernels import fp8_linear
 from cai.shardformer._layout import Piece, column_pieces, gather_rows, local_rows, replica_group, take_rows
 from cai.shardformer._ops import (
     copy_to_tp_region,
@@ -35,6 +36,40 @@ def _group(process_group):
 def _check_sp(mode):
     if mode is not None and mode not in SEQ_PARALLEL_MODES:
         raise ValueError(f"seq_parallel_mode={mode!r}; the layers support {SEQ_PARALLEL_MODES} or None")
+
+
+def _linear(layer: Linear1D_Col | Linear1D_Row, x, weight, bias=None) -> torch.Tensor:
+    """The layer's local product: in FP8 in training once ``enable_fp8`` has set ``layer.fp8``."""
+    if layer.fp8 and layer.training:
+        return fp8_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def enable_fp8(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Run the local matmuls (forward and both backward products) of ``model``'s column- and row-parallel layers in
+    FP8 with row-wise dynamic scales (``cai.kernels.fp8_linear``) in training; returns how many layers.
+
+    Skipped, as by ``cai.kernels.convert_to_fp8``: names ending in one of ``skip`` (the output head) and layers whose
+    local features are not multiples of 16. The communication around the products stays in the working dtype. A
+    row-parallel layer's scales cover its own slice of the input features, so its rounding differs slightly from the
+    unsharded layer's; column-parallel layers quantise exactly as unsharded. Ring sequence parallelism multiplies
+    inside its ring and raises.
+    """
+    count = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, (Linear1D_Col, Linear1D_Row)) or name.split(".")[-1] in skip:
+            continue
+        out_features, in_features = m._linear_weight().shape
+        if in_features % 16 or out_features % 16:
+            continue
+        if m.seq_parallel_mode == "ring":
+            raise ValueError(
+                f"enable_fp8: {name} multiplies inside the sequence ring, which has no FP8 path; use "
+                "sequence_parallelism_mode='split_gather' with FP8"
+            )
+        m.fp8 = True
+        count += 1
+    return count
 
 
 class ParallelModule(nn.Module):
@@ -72,6 +107,7 @@ class Linear1D_Col(ParallelModule):
     """
 
     split_dims = {"weight": 0, "bias": 0}
+    fp8 = False  # the local product in FP8 (``enable_fp8``)
 
     def __init__(
         self,
@@ -183,11 +219,11 @@ class Linear1D_Col(ParallelModule):
         elif self.seq_parallel_mode == "split_gather":
             full = gather_seq(x, dim, group)
             with saving_only_the_slice(full, x, dim, group):
-                y = F.linear(full, weight, add_bias)  # (..., S, out_features / tp)
+                y = _linear(self, full, weight, add_bias)  # (..., S, out_features / tp)
         else:
             if self.reduce_input_grad:
                 x = copy_to_tp_region(x, group)
-            y = F.linear(x, weight, add_bias)  # (..., out_features / tp)
+            y = _linear(self, x, weight, add_bias)  # (..., out_features / tp)
         if self.gather_output:
             y = gather_from_tp_region(y, self.process_group)
         return (y, bias) if self.skip_bias_add else y
@@ -213,6 +249,7 @@ class Linear1D_Row(ParallelModule):
     `"ring"`), then the bias is added once. `input_is_parallel=False` splits a replicated x first (Colossal-AI's `parallel_input`)."""
 
     split_dims = {"weight": 1, "bias": None}
+    fp8 = False  # the local product in FP8 (``enable_fp8``)
 
     def __init__(
         self,
@@ -283,7 +320,7 @@ class Linear1D_Row(ParallelModule):
             y = ring_row_linear(x, self._linear_weight(), self.seq_parallel_dim, self.process_group)
         else:
             # (..., out_features), a partial sum over this rank's input features
-            y = F.linear(x, self._linear_weight())
+            y = _linear(self, x, self._linear_weight())
             if self.seq_parallel_mode == "split_gather":
                 y = reduce_scatter_seq(y, self.seq_parallel_dim, self.process_group)
             else:

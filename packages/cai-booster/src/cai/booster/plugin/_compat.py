@@ -289,6 +289,8 @@ HYBRID_ARGS = PluginArgs(
         "overlap_allgather": Mapped("zero.overlap_allgather"),
         "custom_policy": Mapped("custom_policy"),
         "make_vocab_size_divisible_by": Mapped("make_vocab_size_divisible_by"),
+        "use_fp8": Mapped("use_fp8"),
+        "fp8_communication": Mapped("zero.fp8_communication"),
         # enable_all_optimization folds into this one (fused normalization is the optimization built)
         "enable_fused_normalization": Mapped("fused_normalization"),
         "gradient_checkpoint_config": Mapped(
@@ -324,12 +326,6 @@ HYBRID_ARGS = PluginArgs(
             ("scheduler_nodes",), None, "leave it None (pp_style='zbv' builds its own zero-bubble plan)"
         ),
         Rejected(("inner_ring_size",), None, "leave it None (double-ring attention is not built)"),
-        Rejected(("fp8_communication",), False, "leave it False (fp8 communication is not implemented)"),
-        Rejected(
-            ("use_fp8",),
-            False,
-            "leave it False (FP8 linear layers are built for LowLevelZeroPlugin and GeminiPlugin)",
-        ),
     ),
 )
 

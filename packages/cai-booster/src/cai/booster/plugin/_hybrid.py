@@ -145,6 +145,11 @@ class HybridParallelConfig:
         activation_offload: the leading fraction of each stage's blocks whose activations wait in pinned host
             memory instead (copied on a side stream; ``activation_checkpointing(offload=...)``); checkpointing
             then applies to the blocks after them.
+        use_fp8: run the linear layers' matmuls (not the output head) in FP8 with row-wise dynamic scales in
+            training: the tensor-parallel layers' local products (``cai.shardformer.enable_fp8``) and any plain
+            ``nn.Linear`` left (``cai.kernels.convert_to_fp8``); their communication stays in the working dtype.
+            Set ``zero=ZeroConfig(fp8_communication=True)`` (Colossal-AI's ``fp8_communication``) to reduce the
+            data-parallel gradients in FP8.
 
     Example::
 
@@ -167,6 +172,7 @@ class HybridParallelConfig:
     gradient_checkpointing: bool | Literal["full", "selective"] = False
     gradient_checkpointing_ratio: float = 1.0
     activation_offload: float = 0.0
+    use_fp8: bool = False
 
     def __post_init__(self) -> None:
         owner = "HybridParallelPlugin"
@@ -371,6 +377,12 @@ class HybridParallelPlugin(Plugin):
             place_replicated(model, ctx)
         model = self._shard(model)
         module: nn.Module = self._split(model) if self.pp_size > 1 else model
+        if cfg.use_fp8:
+            from cai.kernels import convert_to_fp8
+            from cai.shardformer import enable_fp8
+
+            enable_fp8(module)
+            convert_to_fp8(module)
         if (
             cfg.gradient_checkpointing or cfg.activation_offload
         ):  # after the split: ratios count this stage's blocks

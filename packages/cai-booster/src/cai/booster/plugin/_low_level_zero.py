@@ -100,8 +100,8 @@ class LowLevelZeroPlugin(DPPluginBase):
     backoff_factor=0.5, growth_interval=1000, hysteresis=2, max_scale=2**32``), ``max_norm=0.0`` (global gradient
     clipping inside ``step``), ``reduce_bucket_size_in_m=12``, ``communication_dtype=None``,
     ``overlap_communication=True``, ``overlap_allgather=False``, ``cpu_offload=False``, ``cast_inputs=True``.
-    ``use_fp8=True`` runs the linear layers in FP8; ``fp8_communication=True`` sends gradients and the post-step
-    parameter all-gathers in FP8 (``ZeroConfig.fp8_communication``). ``verbose`` is ignored; ``norm_type`` other
+    ``use_fp8=True`` runs the linear layers in FP8; ``fp8_communication=True`` reduces gradients in FP8 (the post-step
+    parameter all-gathers stay in the working dtype; ``ZeroConfig.fp8_communication``). ``verbose`` is ignored; ``norm_type`` other
     than 2.0, ``master_weights=False`` and ``extra_dp_size > 1`` raise. The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with ``config=`` raises.
 
     Example::
