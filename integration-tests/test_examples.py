@@ -76,10 +76,11 @@ def test_train_llama_hybrid_tp2_pp2_trains_checkpoints_resumes_and_reports_accur
 def test_benchmark_tiny_with_peers_prints_one_table_and_json(tmp_path: Path) -> None:
     out = _run(
         [str(EXAMPLES / "benchmarks" / "benchmark.py"), "-c", "tiny", "-p", "ddp", "-b", "2", "-l", "32",
-         "-s", "2", "-i", "1", "--no-kernels", "--compare", "--peers", "eager,fsdp2"],
+         "-s", "2", "-i", "1", "--no-kernels", "--compare", "--peers", "eager,fsdp2", "--profile"],
         timeout=300,
         env={"OUT": str(tmp_path)},
     )  # fmt: skip
+    out, profiled = out.split("where a step's time goes")
     rows = [
         line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| configuration")
     ]
@@ -96,6 +97,12 @@ def test_benchmark_tiny_with_peers_prints_one_table_and_json(tmp_path: Path) -> 
     data = json.loads((tmp_path / "benchmark_tiny_ddp.json").read_text())
     assert [r["status"] for r in data["rows"]] == ["ok", "ok", "ok"]
     assert data["args"]["world_size"] == 1 and data["args"]["num_params"] > 0
+    # --profile: every row's step split by kind of work, the parts within the step
+    assert profiled.count("\n| ") == 10 and "| matmul |" in profiled and "| idle |" in profiled, profiled
+    for r in data["rows"]:
+        parts = r["breakdown"]
+        assert parts["matmul"] > 0 and parts["optimizer"] > 0 and parts["step"] > 0, (r["name"], parts)
+        assert sum(v for k, v in parts.items() if k not in ("step", "communication")) <= 1.01 * parts["step"]
 
 
 @pytest.mark.slow

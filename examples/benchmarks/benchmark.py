@@ -13,6 +13,7 @@ Examples::
     python examples/benchmarks/benchmark.py -c 1b -b 8 -l 2048 -s 10 -i 3 -p zero2 --compare \
         --peers fsdp2,fsdp2-liger,compile,compile-liger                                      # fair peers
     python examples/benchmarks/benchmark.py -c tiny -b 2 -l 64 -s 3 -i 1 --compare         # CPU smoke
+    python examples/benchmarks/benchmark.py -c 8b -b 2 -l 2048 -g -p zero2 --lazy --profile  # where time goes
     torchrun --nproc_per_node 8 examples/benchmarks/benchmark.py -c 8b -p hybrid --tp 2 --pp 2 -b 8 -g
 
 Random weights, random tokens (never all zeros), labels = inputs. ``-b`` is the batch per data-parallel replica:
@@ -96,6 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("full", "selective"),
         help="activation checkpointing for every run: -g / -g full recomputes every block, -g selective keeps the "
         "matmul and attention outputs and recomputes the elementwise ops",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, profile 2 steps of each row and print where the time goes (matmul, attention, fused "
+        "kernels, optimizer, communication, copies, other, idle)",
     )
     p.add_argument(
         "--offload-activations",
@@ -220,6 +227,7 @@ class Row:
     tflops_simple: float = 0.0
     peak_gib: float = 0.0
     step_s: float = 0.0  # median step time
+    breakdown: dict | None = None  # --profile: ms per step by kind of work (_breakdown.py)
 
 
 def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> float:
@@ -263,6 +271,10 @@ def measure(
         workload = build()
         row.name = workload.name
         row.step_s = time_steps(workload.step, warmup=args.warmup, steps=args.steps, device=device)
+        if args.profile:
+            from _breakdown import step_breakdown
+
+            row.breakdown = step_breakdown(workload.step, device=device)
     except torch.OutOfMemoryError:
         row.status = "OOM"
     except Exception as exc:  # a failing configuration is reported in the table; the others still run
@@ -402,6 +414,11 @@ def main(args: argparse.Namespace) -> None:
             f"median of {args.steps} steps after {args.warmup}; MFU against {args.peak_tflops:g} TFLOP/s\n"
         )
         print(table(rows, [r for r in peer_rows if r.status == "ok"]), flush=True)
+        if args.profile:
+            import _breakdown
+
+            profiled = {r.name: r.breakdown for r in rows if r.breakdown}
+            print(f"\nwhere a step's time goes (2 profiled steps):\n{_breakdown.table(profiled)}", flush=True)
         out = os.environ.get("OUT")
         if out:
             ranks = f"_w{world}" if world > 1 else ""

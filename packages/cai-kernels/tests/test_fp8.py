@@ -100,3 +100,39 @@ def test_convert_keeps_parameters_and_a_tiny_llama_trains_to_the_fp32_band() -> 
     ref, got = _train(base), _train(model)
     assert got[-1] < 0.5 * got[0]  # it learns
     assert abs(sum(got[-8:]) / 8 - sum(ref[-8:]) / 8) < 0.05 * sum(ref[-8:]) / 8
+
+
+def _projections(monkeypatch, cache_size: int):
+    """Three FP8 projections of one activation (q, k, v), forward and backward, counting the quantisations."""
+    from cai.kernels import _fp8
+
+    monkeypatch.setattr(_fp8, "_CACHE_SIZE", cache_size)
+    _fp8._cache.clear()
+    calls = []
+
+    def counting(t, dtype=E4M3):
+        calls.append((tuple(t.shape), dtype))
+        return quantize_rowwise(t, dtype)
+
+    monkeypatch.setattr(_fp8, "quantize_rowwise", counting)
+    torch.manual_seed(0)
+    layers = [Fp8Linear(48, 16, bias=False) for _ in range(3)]
+    x = torch.randn(4, 8, 48, requires_grad=True)
+    h = x * 2.0  # an activation, as inside a model
+    out = sum(layer(h) for layer in layers)
+    out.square().sum().backward()
+    _fp8._cache.clear()
+    return out, x.grad, [layer.weight.grad for layer in layers], calls
+
+
+def test_projections_of_one_input_quantise_it_once(monkeypatch) -> None:
+    out, dx, dws, calls = _projections(monkeypatch, cache_size=4)
+    ref_out, ref_dx, ref_dws, ref_calls = _projections(monkeypatch, cache_size=0)
+    assert torch.equal(out, ref_out) and torch.equal(dx, ref_dx)
+    assert all(torch.equal(a, b) for a, b in zip(dws, ref_dws, strict=True))
+    # the activation (32 x 48) once forward and once transposed (48 x 32) for the weight gradients, not three times;
+    # the weights and the gradients (leaves) every time
+    assert calls.count(((32, 48), E4M3)) == 1 and ref_calls.count(((32, 48), E4M3)) == 3
+    assert calls.count(((48, 32), E4M3)) == 1 and ref_calls.count(((48, 32), E4M3)) == 3
+    assert calls.count(((16, 48), E4M3)) == 3 and calls.count(((32, 16), E5M2)) == 3
+    assert len(calls) == len(ref_calls) - 4

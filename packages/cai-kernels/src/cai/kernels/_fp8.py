@@ -9,11 +9,19 @@ more the bf16 products are ``torch._scaled_mm`` with row-wise scales; elsewhere 
 dequantised and multiplied in fp32 (the emulation the CPU tests check against), which gives the same values up to
 the order of accumulation. The parameters stay in their dtype (the optimizer's master copy is untouched): only the
 matmul inputs are quantised, each time.
+
+Projections that read the same input (q, k and v; gate and up) would quantise it once each, in forward and again
+(transposed) for their weight gradients. The last few quantisations of activations are kept, keyed by the storage's
+address, the layout, the version counter and the target dtype; an entry holds the storage, so no other tensor can
+take that address while it lives, and an in-place change bumps the version: a hit is the same bytes quantised the
+same way. Leaves are never kept: parameters (whose flat ZeRO buffers are rewritten without their version changing)
+and gradients (each read once).
 """
 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +40,28 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.
     amax = x.detach().abs().amax(dim=-1, keepdim=True).float().clamp_min(_EPS)
     scale = amax / torch.finfo(dtype).max
     q = (x.float() / scale).to(dtype).contiguous()
+    return q, scale
+
+
+_CACHE_SIZE = 4
+_cache: OrderedDict[tuple, tuple[torch.UntypedStorage, torch.Tensor, torch.Tensor]] = OrderedDict()
+
+
+def _quantized(x: torch.Tensor, dtype: torch.dtype, quantize) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize(x, dtype)``, or the kept result of the same call on the same bytes (see [Note: fp8 linear])."""
+    owner = x._base if x._base is not None else x
+    if owner.grad_fn is None:
+        return quantize(x, dtype)
+    storage = x.untyped_storage()
+    key = (storage.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version, dtype)
+    hit = _cache.get(key)
+    if hit is not None:
+        _cache.move_to_end(key)
+        return hit[1], hit[2]
+    q, scale = quantize(x, dtype)
+    _cache[key] = (storage, q, scale)
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
     return q, scale
 
 
@@ -62,12 +92,12 @@ def fp8_matmul(
     """``a @ b.T`` for ``a`` (M, K) and ``b`` (N, K), both quantised row-wise over K (see [Note: fp8 linear])."""
     if out_dtype == torch.bfloat16 and _scaled_mm_ok(a) and a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0:
         quantize = _compiled_quantize()
-        qa, sa = quantize(a, a_dtype)
-        qb, sb = quantize(b, b_dtype)
+        qa, sa = _quantized(a, a_dtype, quantize)
+        qb, sb = _quantized(b, b_dtype, quantize)
         # the second operand must be column-major: qb is (N, K) row-major, so qb.t() is (K, N) column-major
         return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
-    qa, sa = quantize_rowwise(a, a_dtype)
-    qb, sb = quantize_rowwise(b, b_dtype)
+    qa, sa = _quantized(a, a_dtype, quantize_rowwise)
+    qb, sb = _quantized(b, b_dtype, quantize_rowwise)
     return ((qa.float() * sa) @ (qb.float() * sb).t()).to(out_dtype)
 
 

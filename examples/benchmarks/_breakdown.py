@@ -1,0 +1,86 @@
+"""Where a training step's time goes: torch.profiler's kernel (GPU) or operator (CPU) times over a few steps, put into
+the buckets of a step profile: matmul, attention, fused Triton kernels, optimizer, communication, copies, other
+(elementwise and reductions), and the idle time the device spends waiting for the host.
+
+Buckets are read from the names: cuBLAS / CUTLASS GEMMs and ``aten::mm``-like operators are matmuls; flash, fused
+multi-head and SDPA kernels attention; NCCL or gloo collectives communication; Adam kernels and cai's host Adam the
+optimizer; other Triton kernels (cai-kernels' norms, SwiGLU, rotary, fused loss, or torch.compile's) the fused
+kernels. Idle is the step's wall time less the device's busy time (kernels on all streams summed, communication
+left out, since it runs beside compute); on the CPU every operator is host time, and idle is what no operator
+covers (Python, the launcher).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+BUCKETS = ("matmul", "attention", "fused kernels", "optimizer", "communication", "copies", "other")
+
+_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "gloo", "c10d::", "all_reduce", "allreduce", "all_gather", "reduce_scatter")),
+    ("optimizer", ("adam", "multi_tensor_apply", "_foreach_")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk", "scaled_mm", "f8f8bf16", "aten::mm",
+                "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear")),
+    ("copies", ("memcpy", "memset", "aten::copy_", "aten::to", "aten::_to_copy")),
+    ("fused kernels", ("triton",)),
+)  # fmt: skip
+
+
+def bucket(name: str) -> str:
+    low = name.lower()
+    for label, keys in _RULES:
+        if any(k in low for k in keys):
+            return label
+    return "other"
+
+
+def _device_time_us(evt) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(evt, attr):
+            return float(getattr(evt, attr))
+    return 0.0
+
+
+def step_breakdown(step: Callable[[], None], *, device: torch.device, steps: int = 2) -> dict[str, float]:
+    """Milliseconds per step in each of ``BUCKETS`` plus ``"idle"`` and ``"step"`` (the wall time), over ``steps``
+    profiled steps (run them after warm-up: compilation and allocation would count)."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    out = dict.fromkeys(BUCKETS, 0.0)
+    for evt in prof.key_averages():
+        # on the GPU the kernels' own time; on the CPU the operators' self time (top-level ones only would miss
+        # the work of nested calls, self time counts each microsecond once)
+        us = _device_time_us(evt) if cuda else float(evt.self_cpu_time_total)
+        if us > 0 and (not cuda or evt.device_type != torch.autograd.DeviceType.CPU):
+            out[bucket(evt.key)] += us / 1e3 / steps
+    busy = sum(v for k, v in out.items() if k != "communication")
+    out["idle"] = max(0.0, wall_ms - busy)
+    out["step"] = wall_ms
+    return out
+
+
+def table(rows: dict[str, dict[str, float]]) -> str:
+    """A markdown table, one column per row of ``rows`` (its label), milliseconds and shares of the step."""
+    labels = list(rows)
+    lines = ["| ms per step | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    for key in (*BUCKETS, "idle", "step"):
+        cells = []
+        for label in labels:
+            ms, step = rows[label][key], rows[label]["step"]
+            cells.append(f"{ms:.1f}" if key == "step" else f"{ms:.1f} ({100 * ms / step:.0f}%)")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
