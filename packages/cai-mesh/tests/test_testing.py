@@ -169,3 +169,35 @@ def test_backend_is_checked_and_passed_to_the_workers():
 def test_nccl_ranks_each_get_their_gpu():
     world = min(torch.cuda.device_count(), 2)
     assert run_distributed(_backend_name, world, backend="nccl") == ["nccl"] * world
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+_ORPHANING = """
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("pool_orphan_probe", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+from cai.mesh.testing import run_distributed
+print(*run_distributed(module._pid, 2), flush=True)
+os._exit(0)  # as a pytest-xdist worker ends: no atexit handler tells the pool to stop
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self"), reason="reads /proc")
+def test_workers_exit_when_their_parent_is_gone():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _ORPHANING, __file__], capture_output=True, text=True, timeout=120, check=True
+    )
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2, proc.stdout + proc.stderr
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "pool workers outlived their parent"

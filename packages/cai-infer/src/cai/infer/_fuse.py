@@ -23,11 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cai.kernels import SwiGLUMLP, swiglu_packed
+from cai.kernels import is_swiglu_mlp, swiglu_packed
 
 __all__ = ["fuse_projections"]
-
-_SILU_NAMES = {"SiLU", "SiLUActivation"}
 
 
 def _merge(linears: list[nn.Linear]) -> nn.Linear:
@@ -134,7 +132,7 @@ def fuse_projections(model: nn.Module) -> tuple[int, int]:
                 setattr(mod, attr, _Slice(merged, part))
             attentions += 1
         gate_up = _linears(mod, ("gate_proj", "up_proj"))
-        silu = isinstance(mod, SwiGLUMLP) or type(getattr(mod, "act_fn", None)).__name__ in _SILU_NAMES
+        silu = is_swiglu_mlp(mod)
         if name and gate_up is not None and silu and type(getattr(mod, "down_proj", None)) is nn.Linear:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, FusedSwiGLUMLP(*gate_up, mod.down_proj))

@@ -10,7 +10,7 @@ from importlib.metadata import version as _version
 from cai.kernels._dispatch import kernel_report, use_triton
 from cai.kernels._fp8 import Fp8Linear, convert_to_fp8, fp8_linear, fp8_matmul, quantize_rowwise
 from cai.kernels._fused_ce import fused_linear_cross_entropy
-from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, patch_hf_model
+from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, is_swiglu_mlp, patch_hf_model
 from cai.kernels._moe import grouped_linear, permute_tokens, unpermute_tokens
 from cai.kernels._norm import LayerNorm, RMSNorm, layer_norm, rms_norm
 from cai.kernels._paged_attention import paged_attention, paged_kv_write
@@ -33,6 +33,7 @@ __all__ = [
     "fp8_matmul",
     "fused_linear_cross_entropy",
     "grouped_linear",
+    "is_swiglu_mlp",
     "kernel_report",
     "layer_norm",
     "paged_attention",

@@ -70,14 +70,19 @@ def _patch_norms(model: nn.Module) -> int:
     return count
 
 
+def is_swiglu_mlp(module: nn.Module) -> bool:
+    """True for an MLP computing ``down(silu(gate(x)) * up(x))``: cai-kernels' ``SwiGLUMLP``, or a module with
+    ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU ``act_fn`` (Llama, Mistral, Qwen2 and the like)."""
+    if isinstance(module, SwiGLUMLP):
+        return True
+    has_projections = all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj"))
+    return has_projections and type(getattr(module, "act_fn", None)).__name__ in _SILU_NAMES
+
+
 def _patch_mlps(model: nn.Module) -> int:
     count = 0
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, SwiGLUMLP) or not all(
-            hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj")
-        ):
-            continue
-        if type(getattr(mod, "act_fn", None)).__name__ not in _SILU_NAMES:
+        if isinstance(mod, SwiGLUMLP) or not is_swiglu_mlp(mod):
             continue
         _replace(model, name, SwiGLUMLP.from_mlp(mod))
         count += 1

@@ -41,6 +41,7 @@ _GRACE_S = 5.0  # how long the other ranks may take to finish after one rank fai
 # and should something still hold groups, after a call in which any rank holds more native threads than this the
 # pool is replaced.
 _MAX_THREADS = 64
+_PARENT_CHECK_S = 5.0  # how often an idle worker checks that its parent is alive
 
 
 class DistributedTestError(AssertionError):
@@ -109,8 +110,16 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results
     # The parent hosts the store, so it is listening before any worker connects (no connect-retry back-off),
     # and every task rendezvouses under its own key prefix: a fresh process group without a new server.
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=60))
+    parent = mp.parent_process()
     while True:
-        task: _Task | None = tasks.get()
+        try:
+            task: _Task | None = tasks.get(timeout=_PARENT_CHECK_S)
+        except queue.Empty:
+            # a test process that ends without its atexit handlers (pytest-xdist's workers) never sends the stop:
+            # a worker whose parent is gone exits rather than linger with its memory and gloo threads
+            if parent is not None and not parent.is_alive():
+                return
+            continue
         if task is None:
             return
         out = io.StringIO()
