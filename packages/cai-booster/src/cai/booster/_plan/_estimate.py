@@ -69,7 +69,7 @@ def estimate_candidate(
     gpu = device == "cuda"
     shard = c.tp * c.pp  # ranks one replica's model is cut over
     P = spec.params / shard
-    act = _activations(c, spec, seq=seq, wb=wb, kernels=kernels)
+    act = _activations(c, spec, hw, seq=seq, wb=wb, kernels=kernels)
     if shard > 1:
         # per layer work and the vocabulary split over tp; a pp stage holds pp micro-batches of L/pp layers
         act = {k: int(v / c.tp) for k, v in act.items()}
@@ -139,7 +139,7 @@ def estimate_candidate(
                     {k_: int(v) for k_, v in parts.items() if v}, host_parts, times)  # fmt: skip
 
 
-def _activations(c: Candidate, spec: ModelSpec, *, seq: int, wb: int, kernels: bool) -> dict[str, int]:
+def _activations(c: Candidate, spec: ModelSpec, hw: Hardware, *, seq: int, wb: int, kernels: bool) -> dict:
     s = spec.shape
     kw = dict(wbytes=wb, fused_loss=kernels, fused_norms=kernels)
     act = activation_bytes(s, c.micro_batch, seq, recompute=c.recompute, **kw)
@@ -147,7 +147,13 @@ def _activations(c: Candidate, spec: ModelSpec, *, seq: int, wb: int, kernels: b
     if off:
         layer = activation_bytes(s, c.micro_batch, seq, recompute="none", **kw)["saved"] / s.layers
         kept = act["saved"] / s.layers
-        act["saved"] = int((s.layers - off) * kept + min(off, PREFETCH + 1) * layer)
+        # what the copies out have not moved by the end of forward (about a third of a step without recompute)
+        # is still on the device when backward starts
+        tokens = c.micro_batch * seq
+        forward_s = step_seconds(spec, hw, tokens=tokens, seq=seq, wbytes=wb, recompute="none", kernels=kernels,
+                                 tp=c.tp) / 3  # fmt: skip
+        lag = max(0.0, off * layer / c.tp - hw.pcie_gbs * 1e9 * forward_s) * c.tp
+        act["saved"] = int((s.layers - off) * kept + min(off, PREFETCH + 1) * layer + lag)
     return act
 
 
