@@ -383,9 +383,8 @@ class HybridParallelPlugin(Plugin):
 
             enable_fp8(module)
             convert_to_fp8(module)
-        if (
-            cfg.gradient_checkpointing or cfg.activation_offload
-        ):  # after the split: ratios count this stage's blocks
+        # after the split: the ratios count this stage's blocks
+        if cfg.gradient_checkpointing or cfg.activation_offload:
             policy = "full" if cfg.gradient_checkpointing is True else cfg.gradient_checkpointing or "none"
             activation_checkpointing(
                 module, policy, ratio=cfg.gradient_checkpointing_ratio, offload=cfg.activation_offload
