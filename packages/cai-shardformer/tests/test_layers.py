@@ -288,9 +288,16 @@ def _fp8_column():
     )  # the head stays as it is
     layer = model["proj"]
     assert torch.equal(layer(x), _local_cols(ref, layer))
-    assert not torch.equal(
-        layer.eval()(x), _local_cols(ref, layer)
-    )  # evaluation multiplies in the working dtype
+    # evaluation multiplies in the working dtype
+    assert not torch.equal(layer.eval()(x), _local_cols(ref, layer))
+    # split_gather: the gathered sequence in FP8, backward through the re-gather of the kept slice
+    sp = Linear1D_Col.from_native_module(copy.deepcopy(native), None, seq_parallel_mode="split_gather")
+    assert enable_fp8(nn.ModuleDict({"proj": sp})) == 1
+    mine = x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].clone().requires_grad_()
+    out = sp(mine)
+    assert torch.equal(out, _local_cols(ref, sp))
+    out.sum().backward()
+    assert mine.grad is not None and sp.weight.grad is not None
     ring = nn.ModuleDict(
         {"proj": Linear1D_Col.from_native_module(nn.Linear(H, 2 * H), None, seq_parallel_mode="ring")}
     )
