@@ -6,15 +6,15 @@ Offloading is the third way to hold a block's activations, beside keeping them a
 a side stream:
 
 - forward: every tensor autograd saves inside an offloaded block (``saved_tensors_hooks``' pack) is copied to pinned
-  host memory on the side stream, after the compute stream's current point. The device tensor is released at once;
-  ``record_stream`` keeps the allocator from reusing its memory until the copy has read it. Parameters (and views of
-  them) stay where they are, as do tensors below ``MIN_BYTES`` (rotary tables, masks, per-row statistics): their
-  copies would cost more launches than bytes. Tensors that share a storage (q, k, v sliced from one projection; one
+  host memory on the side stream, after the compute stream's current point. The device storages are released when
+  the block returns (held until then, so that no other storage takes an address the block's copies are keyed by);
+  ``record_stream`` keeps the allocator from reusing their memory until the copies have read them. Parameters (and
+  views of them) stay where they are, as do tensors below ``MIN_BYTES`` (rotary tables, masks, per-row statistics):
+  their copies would cost more launches than bytes. Tensors that share a storage (q, k, v sliced from one projection; one
   norm output saved by three matmuls) are copied once, as their storage.
 - backward: when the gradient of a block's output arrives (its backward starts), the activations of that block and
   of the ``prefetch`` blocks before it start back to the device on the side stream; unpack waits for its own copy
-  only. A block whose backward comes first in a pass with nothing before it to overlap (the last block) is copied
-  back when unpacked.
+  only. The copies back for a block whose backward opens the pass (the last block) have nothing to hide behind.
 - Each block call records its saved storages separately, so micro-batches whose backwards come later (pipeline
   schedules, gradient accumulation) keep theirs apart; the record of a block links to the record of the block called
   just before it in the same pass, which is how prefetch finds "the blocks before".
