@@ -19,9 +19,9 @@ them; ddp and fsdp gradients appear parameter by parameter, so the first layer's
 without its own and the input embedding's gradients, while zero's buckets and gemini's chunks are allocated whole.
 Activations come from ``cai.gemini.activation_bytes`` (tensor parallelism divides them by tp; the first pipeline
 stage holds pp micro-batches of its L/pp layers in 1F1B, one micro-batch of all layers). Offloaded layers
-([Note: activation offload]) hold none on the device but the ``PREFETCH + 1`` layers in flight. The host peak adds the
-process itself (``Hardware.host_base_bytes``, measured by calibration); models are built lazily
-(``LazyInitContext``) or on the device.
+([Note: activation offload]) hold none on the device but the ``PREFETCH + 1`` layers in flight and what PCIe could
+not move out during the forward. The host peak adds the process itself (``Hardware.host_base_bytes``, measured by
+calibration); models are built lazily (``LazyInitContext``) or on the device.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def _offload_seconds(c: Candidate, spec: ModelSpec, *, seq: int, wb: int, kernel
         return 0.0
     kw = dict(wbytes=wb, fused_loss=kernels, fused_norms=kernels)
     layer = activation_bytes(s, c.micro_batch, seq, recompute="none", **kw)["saved"] / s.layers / c.tp
-    io = off * layer / (pcie_gbs * 1e9)
+    io = off / c.pp * layer / (pcie_gbs * 1e9)  # a stage's share of the layers, like the times given
     return max(0.1 * io, io - forward_s) + max(0.1 * io, io - backward_s)
 
 

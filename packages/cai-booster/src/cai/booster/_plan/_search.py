@@ -250,9 +250,10 @@ def candidates(
                 continue  # 1F1B needs at least as many micro-batches as stages
             for r in recompute:
                 for f in offload_activations:
+                    # host offload only means something beside a GPU; with every layer on the host, the recompute
+                    # policy would apply to none
                     if f and (device != "cuda" or (f == 1.0 and r != "none")):
-                        continue  # host offload only means something beside a GPU; with every layer on the host
-                        # the recompute policy applies to none
+                        continue
                     c = Candidate(
                         recompute=r, micro_batch=mb, accumulation=acc, offload_activations=f, **fields
                     )
