@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -37,6 +39,9 @@ def _reference(query, k_cache, v_cache, tables, starts, computed, scaling, windo
     [(4, 4, 16, None, None), (8, 2, 24, None, None), (4, 1, 16, 5, None), (6, 2, 16, None, 30.0)],
 )
 def test_paged_attention_matches_dense(impl, heads, kv_heads, head_dim, window, softcap):
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        # CPU tensors reach Triton only through its interpreter; cai-infer's GPU tests run the kernels on CUDA
+        pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     # (cached tokens, new tokens):
     # decode steps, a prefill from zero, a chunk in the middle, a decode over 3 key tiles (split-K splits it)
