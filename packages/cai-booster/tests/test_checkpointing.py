@@ -311,3 +311,47 @@ def test_offload_composes_with_the_zero_and_gemini_plugins() -> None:
     from cai.mesh.testing import run_distributed
 
     run_distributed(_plugins_compare, 2)
+
+
+def test_offload_copies_back_ahead_of_backward(monkeypatch) -> None:
+    """With prefetch=p, block j's activations start back when the backward of block j + p starts: after block
+    j + p + 1's saved tensors are all unpacked and before any of block j + p's (p blocks' backward to hide behind)."""
+    from cai.booster._offload import Offloader, _Packed
+
+    events: list[tuple[str, int]] = []
+    index_of: dict[int, int] = {}
+    pack, to_device, unpack = Offloader.pack, Offloader._to_device, Offloader.unpack
+
+    def logged_pack(self, record, t):
+        out = pack(self, record, t)
+        if isinstance(out, _Packed):
+            index_of[id(out.stored)] = record.index
+        return out
+
+    def logged_to_device(self, stored):
+        if stored.restored is None:
+            events.append(("back", index_of[id(stored)]))
+        to_device(self, stored)
+
+    def logged_unpack(self, packed):
+        if isinstance(packed, _Packed):
+            events.append(("unpack", index_of[id(packed.stored)]))
+        return unpack(self, packed)
+
+    monkeypatch.setattr(Offloader, "pack", logged_pack)
+    monkeypatch.setattr(Offloader, "_to_device", logged_to_device)
+    monkeypatch.setattr(Offloader, "unpack", logged_unpack)
+    for prefetch in (0, 1, 2):
+        events.clear()
+        model = _llama()
+        activation_checkpointing(model, "none", offload=1.0, prefetch=prefetch)
+        ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(6))
+        model(input_ids=ids, labels=ids).loss.backward()
+        first_unpack = {j: events.index(("unpack", j)) for j in range(4)}
+        last_unpack = {j: len(events) - 1 - events[::-1].index(("unpack", j)) for j in range(4)}
+        back = {j: events.index(("back", j)) for j in range(4)}
+        for j in range(4):
+            ahead = min(j + prefetch, 3)  # the first block whose backward start reaches j
+            # j's copy back starts after block ahead + 1's backward is done and before block ahead's begins
+            assert back[j] < first_unpack[ahead], (prefetch, j, events)
+            assert ahead == 3 or back[j] > last_unpack[ahead + 1], (prefetch, j, events)
