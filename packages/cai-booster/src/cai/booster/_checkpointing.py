@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from cai.booster._offload import PREFETCH, Offloader, clear_offload, set_offload
+from cai.booster._offload import PREFETCH, Offloader, clear_offload, set_offload, with_mixin
 
 __all__ = ["SAVED_OPS", "activation_checkpointing"]
 
@@ -93,13 +93,6 @@ class _Checkpointed:
         return fn(functools.partial(super().__call__, **kwargs), *args)
 
 
-@functools.cache
-def _checkpointed_class(cls: type) -> type:
-    return type(
-        cls.__name__, (_Checkpointed, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    )
-
-
 def _set(block: nn.Module, policy: Policy) -> None:
     hf = _hf_layer_type()
     if hf is not None and isinstance(block, hf):
@@ -110,7 +103,7 @@ def _set(block: nn.Module, policy: Policy) -> None:
         block.__dict__.pop("_cai_checkpoint", None)
         return
     if not isinstance(block, _Checkpointed):
-        block.__class__ = _checkpointed_class(type(block))
+        block.__class__ = with_mixin(_Checkpointed, type(block))
     block.__dict__["_cai_checkpoint"] = _checkpoint_fn(policy)
 
 

@@ -172,10 +172,8 @@ class Offloader:
             restored.record_stream(current)  # allocated on the side stream, used and freed on this one
             stored.ready = None
         stored.uses -= 1
-        if stored.uses == 0:
-            stored.restored = (
-                None  # the tensors returned keep the memory alive as long as autograd needs them
-            )
+        if stored.uses == 0:  # the tensors returned keep the memory alive as long as autograd needs them
+            stored.restored = None
         out = torch.empty(0, dtype=packed.dtype, device=stored.device)
         return out.set_(restored.untyped_storage(), packed.offset, packed.size, packed.stride)
 
@@ -209,17 +207,16 @@ def _backward_starts(offloader: Offloader, record: _Record, grad: torch.Tensor) 
 
 
 @functools.cache
-def _offloaded_class(cls: type) -> type:
-    return type(
-        cls.__name__, (_Offloaded, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    )
+def with_mixin(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin`` first in its bases, under ``cls``'s own names (so a swapped ``__class__`` reads the same)."""
+    return type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def set_offload(blocks: list[nn.Module], chosen: int, offloader: Offloader) -> None:
     """Offload the first ``chosen`` blocks through ``offloader``; every block reports when its backward starts."""
     for i, block in enumerate(blocks):
         if not isinstance(block, _Offloaded):
-            block.__class__ = _offloaded_class(type(block))
+            block.__class__ = with_mixin(_Offloaded, type(block))
         block.__dict__["_cai_offload"] = (offloader, i, i < chosen)
 
 

@@ -143,9 +143,8 @@ def _activations(c: Candidate, spec: ModelSpec, hw: Hardware, *, seq: int, wb: i
     s = spec.shape
     kw = dict(wbytes=wb, fused_loss=kernels, fused_norms=kernels)
     act = activation_bytes(s, c.micro_batch, seq, recompute=c.recompute, **kw)
-    off = int(c.offload_activations * s.layers)
+    off, layer = _offloaded(c, spec, seq=seq, wb=wb, kernels=kernels)
     if off:
-        layer = activation_bytes(s, c.micro_batch, seq, recompute="none", **kw)["saved"] / s.layers
         kept = act["saved"] / s.layers
         # what the copies out have not moved by the end of forward (about a third of a step without recompute)
         # is still on the device when backward starts
@@ -157,17 +156,26 @@ def _activations(c: Candidate, spec: ModelSpec, hw: Hardware, *, seq: int, wb: i
     return act
 
 
+def _offloaded(c: Candidate, spec: ModelSpec, *, seq: int, wb: int, kernels: bool) -> tuple[int, float]:
+    """The layers ``c`` offloads, and the bytes one of them saves for backward (all of it, as without recompute)."""
+    s = spec.shape
+    off = int(c.offload_activations * s.layers)
+    if not off:
+        return 0, 0.0
+    act = activation_bytes(
+        s, c.micro_batch, seq, recompute="none", wbytes=wb, fused_loss=kernels, fused_norms=kernels
+    )
+    return off, act["saved"] / s.layers
+
+
 def _offload_seconds(c: Candidate, spec: ModelSpec, *, seq: int, wb: int, kernels: bool, pcie_gbs: float,
                     forward_s: float, backward_s: float) -> float:  # fmt: skip
     """PCIe time of one micro-batch's offloaded activations that compute does not hide: each direction moves the
     offloaded layers' activations, out during forward and back during backward."""
-    s = spec.shape
-    off = int(c.offload_activations * s.layers)
+    off, layer = _offloaded(c, spec, seq=seq, wb=wb, kernels=kernels)
     if not off:
         return 0.0
-    kw = dict(wbytes=wb, fused_loss=kernels, fused_norms=kernels)
-    layer = activation_bytes(s, c.micro_batch, seq, recompute="none", **kw)["saved"] / s.layers / c.tp
-    io = off / c.pp * layer / (pcie_gbs * 1e9)  # a stage's share of the layers, like the times given
+    io = off / c.pp * layer / c.tp / (pcie_gbs * 1e9)  # a stage's share of the layers, like the times given
     return max(0.1 * io, io - forward_s) + max(0.1 * io, io - backward_s)
 
 
