@@ -169,8 +169,11 @@ PLACEMENTS = {
 }
 CASES = [Case(name=n, dp=dp, gemini=g) for dp in (1, 2, 4) for n, g in PLACEMENTS.items()]
 CASES += [
-    Case(name="tied", dp=2, tied=True),
-    Case(name="tied-param1.0", dp=4, tied=True, gemini={"offload_param_frac": 1.0}),
+    # The tied weight's two gradient terms (embedding and head) are summed in another order than in one process, and
+    # the difference reaches every later step: on an AVX-512 host one element of 33 reached 1.2e-6 of its tensor's
+    # largest gradient at step 8 (every other step stays below 0.5e-6), so the tied cases compare at 2e-6.
+    Case(name="tied", dp=2, tied=True, rtol=2e-6),
+    Case(name="tied-param1.0", dp=4, tied=True, gemini={"offload_param_frac": 1.0}, rtol=2e-6),
     Case(name="frozen", dp=2, frozen=("blocks.0.", "pos.")),
     Case(name="accum", dp=2, accum=2, steps=5),
     Case(name="accum-no-sync", dp=2, accum=3, no_sync=True, steps=5, gemini={"offload_optim_frac": 1.0}),
