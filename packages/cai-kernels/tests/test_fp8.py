@@ -5,13 +5,14 @@ FP8 to the fp32 run's loss band."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 from torch import nn
 
 from cai.kernels import Fp8Linear, convert_to_fp8, fp8_matmul, quantize_rowwise
-from cai.kernels._fp8 import E4M3, E5M2
+from cai.kernels._fp8 import E4M3, E5M2, _quantize_rowwise_torch, _quantize_rowwise_triton
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -35,6 +36,31 @@ def test_rowwise_quantisation_error_is_fp8_rounding(dtype) -> None:
     assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+@pytest.mark.parametrize("programs", [1, 1024], ids=["split-rows", "whole-rows"])
+def test_triton_quantiser_is_bitwise_the_torch_one(dtype, layout, programs, device) -> None:
+    # Ragged shapes (rows and columns not multiples of the tiles), rows of very different scales and an all-zero
+    # row; `programs` forces each of the two launch plans: few programs wanted (whole rows a program) or many (a
+    # row split over programs, amaxes combined atomically).
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 1100, generator=g) * torch.logspace(-4, 4, 37)[:, None]
+    x[5] = 0.0
+    x = x.to(device, torch.bfloat16)
+    if layout == "transposed":
+        x = x.t().contiguous().t()  # the same values stored column-major, as a weight gradient's operands are
+    q, scale = _quantize_rowwise_triton(x, dtype, programs=programs)
+    q_ref, scale_ref = _quantize_rowwise_torch(x, dtype)
+    assert q.is_contiguous() and q.shape == (37, 1100) and scale.shape == (37, 1)
+    assert torch.equal(scale, scale_ref)
+    # equal values; the bytes too on a GPU (the interpreter's cast turns -0.0 into +0.0)
+    assert torch.equal(q.float(), q_ref.float())
+    if q.is_cuda:
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def test_emulated_matmul_is_the_product_of_the_dequantised_operands() -> None:
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(32, 128, generator=g), torch.randn(48, 128, generator=g)
@@ -45,7 +71,7 @@ def test_emulated_matmul_is_the_product_of_the_dequantised_operands() -> None:
     assert _rel(fp8_matmul(a, b, torch.float32), a @ b.t()) < 0.05  # e4m3 on both sides, K = 128
 
 
-def test_fp8_linear_forward_and_gradients_within_fp8_error() -> None:
+def test_fp8_linear_forward_and_gradients_within_fp8_error(impl) -> None:
     g = torch.Generator().manual_seed(2)
     ref = nn.Linear(128, 64, bias=True)
     fp8 = copy.deepcopy(ref)

@@ -110,6 +110,7 @@ def test_patched_tiny_llama_bf16_matches_unpatched(monkeypatch):
 
 def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear():
     from cai.kernels import Fp8Linear, fp8_matmul, quantize_rowwise
+    from cai.kernels._fp8 import _quantize_rowwise_torch
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability 8.9")
@@ -118,6 +119,12 @@ def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear():
     b = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     qa, sa = quantize_rowwise(a)
     qb, sb = quantize_rowwise(b)
+    # the Triton quantiser (whole rows a program, and rows split over programs) is bitwise torch's
+    for x in (a, b.t(), torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16, generator=g).t()):
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            q, s = quantize_rowwise(x, dtype)
+            q_ref, s_ref = _quantize_rowwise_torch(x, dtype)
+            assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     emulated = (qa.float() * sa) @ (qb.float() * sb).t()
     got = fp8_matmul(a, b, torch.bfloat16)  # torch._scaled_mm with row-wise scales
     assert got.dtype == torch.bfloat16 and rel_err(got, emulated) < 1e-2  # accumulation order and bf16 output

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cai.kernels._dispatch import use_triton
+
 __all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear", "fp8_matmul", "quantize_rowwise"]
 
 E4M3 = torch.float8_e4m3fn
@@ -36,40 +38,89 @@ _EPS = 1e-12
 
 def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (M, K) as FP8 with one fp32 scale per row: ``x ~= q.float() * scale``; returns ``(q, scale (M, 1))``,
-    ``q`` row-major whatever the layout of ``x`` (a transposed view is read in place)."""
+    ``q`` row-major whatever the layout of ``x`` (a transposed view is read in place). One or two Triton kernels on
+    CUDA (``_fp8_triton``), the same values in torch elsewhere."""
+    if use_triton(x) and x.dim() == 2:
+        return _quantize_rowwise_triton(x, dtype)
+    return _quantize_rowwise_torch(x, dtype)
+
+
+def _quantize_rowwise_torch(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.detach().abs().amax(dim=-1, keepdim=True).float().clamp_min(_EPS)
     scale = amax / torch.finfo(dtype).max
     q = (x.float() / scale).to(dtype).contiguous()
     return q, scale
 
 
+# Tiles of 4,096 elements: BLOCK_M x BLOCK_K, long along the contiguous dimension of x (whole 128-byte lines for
+# a bf16 row-major tensor; 32-byte sectors of 16 rows for a transposed one).
+_ROW_MAJOR_TILE = (8, 512)
+_TRANSPOSED_TILE = (16, 256)
+
+
+def _quantize_rowwise_triton(
+    x: torch.Tensor, dtype: torch.dtype, programs: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # programs: how many programs fill the device (None: two per SM), below which rows are split across programs
+    import triton
+
+    from cai.kernels._fp8_triton import quantize_rows_kernel, quantize_split_kernel, row_amax_kernel
+
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=dtype, device=x.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M == 0 or K == 0:
+        return q, scale.fill_(_EPS / torch.finfo(dtype).max)
+    block_m, block_k = _ROW_MAJOR_TILE if x.stride(1) == 1 else _TRANSPOSED_TILE
+    block_k = min(block_k, triton.next_power_of_2(K))
+    row_blocks = triton.cdiv(M, block_m)
+    programs = programs or 2 * _sm_count(x.device)
+    fp8_max = torch.finfo(dtype).max
+    if row_blocks >= programs or block_k >= K:
+        quantize_rows_kernel[(row_blocks,)](
+            x, q, scale, M, K, x.stride(0), x.stride(1), FP8_MAX=fp8_max, EPS=_EPS, BLOCK_M=block_m, BLOCK_K=block_k,
+        )  # fmt: skip
+        return q, scale
+    splits = min(triton.cdiv(programs, row_blocks), triton.cdiv(K, block_k))
+    chunk = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    splits = triton.cdiv(K, chunk)
+    amax = torch.zeros(M, dtype=torch.float32, device=x.device)
+    grid = (row_blocks, splits)
+    row_amax_kernel[grid](x, amax, M, K, x.stride(0), x.stride(1), chunk, BLOCK_M=block_m, BLOCK_K=block_k)
+    quantize_split_kernel[grid](
+        x, q, amax, scale, M, K, x.stride(0), x.stride(1), chunk,
+        FP8_MAX=fp8_max, EPS=_EPS, BLOCK_M=block_m, BLOCK_K=block_k,
+    )  # fmt: skip
+    return q, scale
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 64  # the interpreter on CPU: any count exercises both paths
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _CACHE_SIZE = 4
 _cache: OrderedDict[tuple, tuple[torch.UntypedStorage, torch.Tensor, torch.Tensor]] = OrderedDict()
 
 
-def _quantized(x: torch.Tensor, dtype: torch.dtype, quantize) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize(x, dtype)``, or the kept result of the same call on the same bytes (see [Note: fp8 linear])."""
+def _quantized(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise(x, dtype)``, or the kept result of the same call on the same bytes (see [Note: fp8 linear])."""
     owner = x._base if x._base is not None else x
     if owner.grad_fn is None:
-        return quantize(x, dtype)
+        return quantize_rowwise(x, dtype)
     storage = x.untyped_storage()
     key = (storage.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version, dtype)
     hit = _cache.get(key)
     if hit is not None:
         _cache.move_to_end(key)
         return hit[1], hit[2]
-    q, scale = quantize(x, dtype)
+    q, scale = quantize_rowwise(x, dtype)
     _cache[key] = (storage, q, scale)
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return q, scale
-
-
-@functools.cache
-def _compiled_quantize():
-    # One fused kernel per (layout, dtype) instead of five passes (abs, amax, upcast, divide, cast) and a transpose
-    # copy over a bf16 tensor: the quantisation is memory-bound and, unfused, cost more than the FP8 matmul saves.
-    return torch.compile(quantize_rowwise, dynamic=True)
 
 
 @functools.cache
@@ -90,14 +141,11 @@ def fp8_matmul(
     b_dtype: torch.dtype = E4M3,
 ) -> torch.Tensor:
     """``a @ b.T`` for ``a`` (M, K) and ``b`` (N, K), both quantised row-wise over K (see [Note: fp8 linear])."""
+    qa, sa = _quantized(a, a_dtype)
+    qb, sb = _quantized(b, b_dtype)
     if out_dtype == torch.bfloat16 and _scaled_mm_ok(a) and a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0:
-        quantize = _compiled_quantize()
-        qa, sa = _quantized(a, a_dtype, quantize)
-        qb, sb = _quantized(b, b_dtype, quantize)
         # the second operand must be column-major: qb is (N, K) row-major, so qb.t() is (K, N) column-major
         return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
-    qa, sa = _quantized(a, a_dtype, quantize_rowwise)
-    qb, sb = _quantized(b, b_dtype, quantize_rowwise)
     return ((qa.float() * sa) @ (qb.float() * sb).t()).to(out_dtype)
 
 
