@@ -10,6 +10,7 @@ import torch
 from transformers import GenerationConfig
 
 from cai.infer import InferenceConfig, InferenceEngine
+from cai.infer._residual import _CarriedLayer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -97,4 +98,22 @@ def test_fused_kernels_by_default(make_model, engines):
     engines.append(fused)
     kinds = {type(m) for m in fused.model.modules()}
     assert RMSNorm in kinds and FusedSwiGLUMLP in kinds, "fused kernels are on by default on CUDA"
+    assert any(isinstance(m, _CarriedLayer) for m in fused.model.modules()), (
+        "residual adds carried into the norms"
+    )
     assert _run(fused, prompts) == _run(plain, prompts)
+
+
+def test_carried_residual_is_bitwise_in_bf16_with_the_triton_norms(make_model):
+    import copy
+
+    from cai.infer._residual import carry_residuals
+    from cai.kernels import patch_hf_model
+
+    patched = make_model("llama").to("cuda", torch.bfloat16)
+    patch_hf_model(patched, fused_loss=False)
+    carried = copy.deepcopy(patched)
+    assert carry_residuals(carried) == 2
+    ids = torch.randint(0, 251, (3, 11), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(carried(ids).logits, patched(ids).logits)

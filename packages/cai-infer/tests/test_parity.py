@@ -2,10 +2,12 @@
 (a mixed-length batch, requests arriving while others decode, forced preemption, prefix sharing, chunked prefill)
 and two more (Qwen3; Gemma2 with soft-capping and alternating sliding windows) under all of them at once; and all
 six under all of them at once with decode steps run through the decode graphs' padded buffers (eagerly: the
-capture itself needs CUDA, see test_gpu.py)."""
+capture itself needs CUDA, see test_gpu.py), also with cai-kernels' modules and the residual adds carried into the
+norms."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from cai.infer import InferenceConfig, InferenceEngine, SamplingParams
+from cai.infer._residual import _CarriedLayer
 
 NEW = 10
 VOCAB = 251  # conftest's tiny models
@@ -29,6 +32,9 @@ class Regime:
     arrive_every: int = 0  # > 0: add one request every this many steps instead of all at once
     shared_prefix: int = 0  # tokens every prompt starts with
     padded_decode: bool = False  # decode steps through DecodeGraphs' static buffers, padded to sizes 1, 2, 4
+    kernels: bool = (
+        False  # cai-kernels' modules (torch fallbacks on CPU) and residual adds carried into the norms
+    )
 
 
 REGIMES = [
@@ -49,6 +55,13 @@ PADDED = Regime(
     max_batch_size=6,
     padded_decode=True,
 )
+PADDED_KERNELS = dataclasses.replace(PADDED, name="all-padded-kernels", kernels=True)
+CARRIED = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen3",
+)  # the families whose layers carry the residual (gemma's norms differ)
 LENGTHS = (3, 13, 8, 1, 17, 6)
 
 _references: dict[tuple[str, int], list[list[int]]] = {}
@@ -77,6 +90,7 @@ CASES = (
     [(f, r) for f in FAMILIES for r in REGIMES]
     + [(f, REGIMES[-1]) for f in ("qwen3", "gemma2")]
     + [(f, PADDED) for f in (*FAMILIES, "qwen3", "gemma2")]
+    + [(f, PADDED_KERNELS) for f in (*CARRIED, "gemma")]
 )
 
 
@@ -90,9 +104,12 @@ def test_greedy_matches_generate(family, regime, engines, make_model):
         max_batch_size=regime.max_batch_size,
         max_input_len=32,
         max_output_len=NEW,
+        use_cuda_kernel=regime.kernels,
     )
     engine = InferenceEngine(make_model(family), None, config)
     engines.append(engine)
+    carried = sum(isinstance(m, _CarriedLayer) for m in engine.model.modules())
+    assert carried == (2 if regime.kernels and family in CARRIED else 0)
     if regime.padded_decode:
         engine.runner.use_decode_graphs([1, 2, 4], config.max_blocks_per_sequence, capture=False)
         padded = []  # (sequences, size) of each replay

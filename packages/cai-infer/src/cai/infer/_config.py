@@ -55,7 +55,9 @@ class InferenceConfig:
             (cai's default): on when the model is on a CUDA device and ``tp_size == 1``; ``True`` where that does
             not hold is an error. The graphs are captured when the engine is built.
         use_cuda_kernel: run the model's RMSNorm, SwiGLU MLP and rotary embedding through cai-kernels' fused
-            Triton kernels (``cai.kernels.patch_hf_model``, which replaces those modules in place). ``None``
+            Triton kernels (``cai.kernels.patch_hf_model``, which replaces those modules in place), with each
+            residual add inside the RMSNorm after it where the decoder layers are of the usual pre-norm form
+            (_residual.py [Note: carried residual]). ``None``
             (cai's default; Colossal-AI's is False): on when the model is on a CUDA device, Triton imports and
             ``tp_size == 1``, where they make decode 25% faster (see cai-infer's README).
 

@@ -14,6 +14,7 @@ from ._blocks import BlockManager
 from ._config import InferenceConfig
 from ._fuse import fuse_projections
 from ._parallel import shard_for_inference, shared_seed
+from ._residual import carry_residuals
 from ._runner import ModelRunner, graph_batch_sizes, kv_cache_for
 from ._sampling import SamplingParams, apply_penalties_and_masks, logprobs_of, sample
 from ._scheduler import ScheduledBatch, Scheduler, Sequence, SequenceStatus
@@ -118,6 +119,7 @@ class InferenceEngine:
             from cai.kernels import patch_hf_model
 
             patch_hf_model(model, fused_loss=False)  # fused RMSNorm, SwiGLU and rotary; the same weights
+            carry_residuals(model)  # residual adds inside those RMSNorms: [Note: carried residual]
         if config.tp_size == 1:  # one matmul for q/k/v and one for gate/up: [Note: fused projections]
             fuse_projections(model)
         if config.use_cuda_graph and not on_cuda:
