@@ -175,3 +175,25 @@ def test_steps_launched_ahead_are_dropped_when_the_batch_changes(engines, make_m
     assert [finished[str(i)] for i in range(3)] == want
     graphs = engine.runner.graphs
     assert 0 < graphs.num_ahead_used < graphs.num_ahead, (graphs.num_ahead_used, graphs.num_ahead)
+
+
+def test_a_single_stream_launches_every_decode_step_ahead(engines, make_model):
+    # A token that starts a new block gets it a step early (Scheduler._reserve_next), so block boundaries do not stop
+    # launching ahead: every decode step but the first is launched ahead and used, and no block is left over.
+    config = InferenceConfig(
+        dtype="fp32", block_size=4, max_batch_size=1, max_input_len=32, max_output_len=NEW
+    )
+    engine = InferenceEngine(make_model("llama"), None, config)
+    engines.append(engine)
+    engine.runner.use_decode_graphs([1], config.max_blocks_per_sequence, capture=False)
+    prompt = _prompts(0)[1]  # 13 tokens: decode crosses the blocks at 16, 20 and 24
+    _, got = engine.generate(
+        prompts_token_ids=[prompt],
+        return_token_ids=True,
+        generation_config=GenerationConfig(max_new_tokens=NEW),
+    )
+    assert got == [_reference(make_model, "llama", 0)[1]]
+    graphs = engine.runner.graphs
+    # the prefill samples the first token, the first decode step the second; each later one was launched ahead
+    # except after the step that samples the last token
+    assert graphs.num_ahead == graphs.num_ahead_used == NEW - 2, (graphs.num_ahead, graphs.num_ahead_used)

@@ -7,7 +7,8 @@ order while the batch has room (``max_batch_size``) and budget. A sequence's KV 
 scheduled; when the pool is empty the latest-arrived running sequence is preempted: its blocks are released and
 it goes back to the waiting queue with its output so far, to be recomputed as one longer prompt when it is
 admitted again (no swap space). The earliest arrival is never preempted by a later one, so every request
-finishes. ``update()`` then advances each scheduled sequence by its tokens, registers its filled blocks in the
+finishes. A decoding sequence whose next token will start a block gets that block a step early when nothing waits
+and blocks are plentiful (``_reserve_next``), so the next step can be launched ahead. ``update()`` then advances each scheduled sequence by its tokens, registers its filled blocks in the
 prefix cache, appends the sampled token where the chunk reached the end of the sequence, and frees the blocks of
 sequences that finished.
 """
@@ -133,6 +134,8 @@ class Scheduler:
                 num_new.append(n)
                 budget -= n
                 i += 1
+                if n == 1 and seq.num_tokens - seq.num_computed == 1:
+                    self._reserve_next(seq)
             else:
                 self._preempt(self.running[-1])  # the latest arrival; may be `seq` itself
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
@@ -196,6 +199,19 @@ class Scheduler:
         for _ in range(fresh):
             seq.block_table.append(self.blocks.allocate())
         return True
+
+    def _reserve_next(self, seq: Sequence) -> None:
+        """The block of a decoding sequence's token after this one, one step early, when that token starts a new
+        block, nothing is waiting and every running sequence could still get a block: so the next step needs no
+        new block and can be launched ahead (see _runner.py [Note: launching ahead]); without it a single stream
+        could not launch ahead at one step in ``block_size``."""
+        bs = self.blocks.block_size
+        starts_block = (seq.num_computed + 1) % bs == 0 and (seq.num_computed + 1) // bs == len(
+            seq.block_table
+        )
+        goes_on = seq.num_output_tokens + 1 < seq.max_new_tokens
+        if starts_block and goes_on and not self.waiting and self.blocks.num_free > len(self.running):
+            seq.block_table.append(self.blocks.allocate())
 
     def _fit(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> int:
         """The largest chunk of at most ``n`` tokens whose blocks ``_reserve`` gets (0: not even one token)."""
@@ -267,7 +283,9 @@ class Scheduler:
             if status is not None:
                 self.finish(seq, status)
                 continue
-            keep = -(-seq.num_computed // bs)  # blocks past it held only rejected drafts
+            # blocks past the next token's held only rejected drafts (the next token's own block may have been
+            # reserved a step early: _reserve_next)
+            keep = seq.num_computed // bs + 1
             self.blocks.release(seq.block_table[keep:])
             del seq.block_table[keep:]
         return out
