@@ -76,7 +76,7 @@ def test_train_llama_hybrid_tp2_pp2_trains_checkpoints_resumes_and_reports_accur
 def test_benchmark_tiny_with_peers_prints_one_table_and_json(tmp_path: Path) -> None:
     out = _run(
         [str(EXAMPLES / "benchmarks" / "benchmark.py"), "-c", "tiny", "-p", "ddp", "-b", "2", "-l", "32",
-         "-s", "2", "-i", "1", "--no-kernels", "--compare", "--peers", "eager,fsdp2", "--profile"],
+         "-s", "2", "-i", "1", "--no-kernels", "--compare", "--peers", "eager,fsdp2", "--profile", "--accum", "2"],
         timeout=300,
         env={"OUT": str(tmp_path)},
     )  # fmt: skip
@@ -97,6 +97,7 @@ def test_benchmark_tiny_with_peers_prints_one_table_and_json(tmp_path: Path) -> 
     data = json.loads((tmp_path / "benchmark_tiny_ddp.json").read_text())
     assert [r["status"] for r in data["rows"]] == ["ok", "ok", "ok"]
     assert data["args"]["world_size"] == 1 and data["args"]["num_params"] > 0
+    assert data["args"]["accum"] == 2 and "b2 s32 x 2 micro-batches a step" in out  # every row accumulates
     # --profile: every row's step split by kind of work, the parts within the step
     assert profiled.count("\n| ") == 10 and "| matmul |" in profiled and "| idle |" in profiled, profiled
     for r in data["rows"]:

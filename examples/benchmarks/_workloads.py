@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -107,10 +107,11 @@ def eager(
     compile: bool = False,
     pure: bool = False,
     liger: bool = False,
+    accum: int = 1,
 ) -> Workload:
     """Plain PyTorch with fused AdamW: fp32 master weights and ``torch.autocast`` compute in ``precision``, or with
     ``pure`` the parameters themselves in ``precision`` (no master copy: less memory, less exact). ``liger``:
-    Liger-Kernel's Llama kernels, before ``torch.compile``."""
+    Liger-Kernel's Llama kernels, before ``torch.compile``. ``accum`` micro-batches (``batch`` each) a step."""
     device = batch.device
     model = build_model(config, device, grad_ckpt=grad_ckpt)
     if liger:
@@ -122,9 +123,10 @@ def eager(
     state = {"model": model, "forward": forward, "optimizer": optimizer}
 
     def step() -> None:
-        with _autocast(device, "fp32" if pure else precision):
-            loss = state["forward"](input_ids=batch, labels=batch).loss
-        loss.backward()
+        for _ in range(accum):
+            with _autocast(device, "fp32" if pure else precision):
+                loss = state["forward"](input_ids=batch, labels=batch).loss / accum
+            loss.backward()
         state["optimizer"].step()
         state["optimizer"].zero_grad(set_to_none=True)
 
@@ -145,11 +147,19 @@ def eager(
 
 
 def fsdp2(
-    config, batch: torch.Tensor, *, precision: str, grad_ckpt: bool, cpu_offload: bool, liger: bool = False
+    config,
+    batch: torch.Tensor,
+    *,
+    precision: str,
+    grad_ckpt: bool,
+    cpu_offload: bool,
+    liger: bool = False,
+    accum: int = 1,
 ) -> Workload:
     """FSDP2 ``fully_shard`` per decoder layer and at the root: ``precision`` compute, fp32 master and reduce.
     ``liger``: Liger-Kernel's Llama kernels, applied before sharding (the root's forward computes the fused loss
-    while the root unit, lm_head included, is unsharded)."""
+    while the root unit, lm_head included, is unsharded). ``accum`` micro-batches a step, gradients reduced after
+    the last only."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     device = batch.device
@@ -167,8 +177,10 @@ def fsdp2(
     state = {"model": model, "optimizer": optimizer}
 
     def step() -> None:
-        loss = state["model"](input_ids=batch, labels=batch).loss
-        loss.backward()
+        for i in range(accum):
+            state["model"].set_requires_gradient_sync(i == accum - 1)
+            loss = state["model"](input_ids=batch, labels=batch).loss / accum
+            loss.backward()
         state["optimizer"].step()
         state["optimizer"].zero_grad(set_to_none=True)
 
@@ -192,10 +204,12 @@ def cai(
     kernels: bool,
     lazy: bool = False,
     offload_activations: float = 0.0,
+    accum: int = 1,
 ) -> Workload:
     """The model through ``Booster.boost`` with the plugin ``choice`` names and HybridAdam (Colossal-AI's
     benchmark setup; AdamW under FSDP); ``kernels`` swaps in cai's fused kernels first. ``batch_of(r)`` is
-    data-parallel rank r's batch; with pipeline parallelism the step goes through ``execute_pipeline``.
+    data-parallel rank r's batch; with pipeline parallelism the step goes through ``execute_pipeline``. ``accum``
+    micro-batches a step (``no_sync`` but for the last; pipelined rows take one).
 
     Run it after the peers: ``patch_hf_model`` replaces the rotary function of the transformers modeling module
     for the whole process, which would otherwise leak into the peers' models.
@@ -235,8 +249,12 @@ def cai(
                 iter([{"input_ids": batch, "labels": batch}]), state["model"], _hf_loss, state["optimizer"]
             )
         else:
-            loss = state["model"](input_ids=batch, labels=batch).loss
-            state["booster"].backward(loss, state["optimizer"])
+            model, optimizer = state["model"], state["optimizer"]
+            for i in range(accum):
+                last = i == accum - 1
+                with nullcontext() if last else state["booster"].no_sync(model, optimizer):
+                    loss = model(input_ids=batch, labels=batch).loss / accum
+                    state["booster"].backward(loss, optimizer)
         state["optimizer"].step()
         state["optimizer"].zero_grad()
 

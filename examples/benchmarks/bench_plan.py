@@ -60,6 +60,7 @@ ROWS = [
     Row("3b-zero2-full16", "3b", _c("zero2", "full", 16)),
     Row("8b-zero2-full", "8b", _c("zero2", "full", 2)),
     Row("8b-zero2-none-accum", "8b", _c("zero2", "none", 1, 2)),
+    Row("8b-zero2-none-accum8", "8b", _c("zero2", "none", 1, 8)),
     Row("8b-zero2-offload", "8b", _c("zero2", "none", 2, offload_activations=0.25)),
     Row("8b-zero2-full-offload", "8b", _c("zero2", "full", 2, offload_activations=0.25)),
     Row(

@@ -84,6 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--microbatches", type=int, default=None, help="-p hybrid with --pp > 1: instead of --mbs")
     p.add_argument("-b", "--batch-size", "--batch_size", type=int, default=8, help="batch per GPU")
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches of -b sequences per optimizer step, in every row (cai rows under no_sync, FSDP2 "
+        "reducing after the last only); tokens/s count all of them",
+    )
     p.add_argument("-s", "--steps", "--num_steps", type=int, default=10, help="timed steps")
     p.add_argument("-i", "--warmup", "--ignore_steps", type=int, default=3, help="untimed steps first")
     p.add_argument("-l", "--max-length", "--max_length", type=int, default=2048, help="sequence length")
@@ -173,6 +181,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--peers {','.join(unknown)} unknown; choose from {','.join(PEERS)}")
     if args.steps < 1 or args.warmup < 0:
         p.error(f"-s {args.steps} must be >= 1 and -i {args.warmup} >= 0")
+    if args.accum < 1:
+        p.error(f"--accum {args.accum} must be >= 1")
+    if args.accum > 1 and args.layout is not None and args.layout.pp > 1:
+        p.error("--accum with --pp > 1: a pipelined step already runs --microbatches micro-batches")
     return args
 
 
@@ -356,7 +368,7 @@ def main(args: argparse.Namespace) -> None:
         return torch.randint(1, config.vocab_size, size, generator=gen).to(device)
 
     batch = batch_of(rank)
-    tokens = args.batch_size * args.max_length
+    tokens = args.batch_size * args.max_length * args.accum
 
     peer_rows: list[Row] = []
     peers = list(args.peers) if args.compare else []
@@ -366,7 +378,7 @@ def main(args: argparse.Namespace) -> None:
             print(f"--compare on {world} processes: {', '.join(single)} run at world size 1 only, skipped")
         peers = [p for p in peers if p in SHARDED_PEERS]
     if peers:
-        kw = dict(precision=precision, grad_ckpt=args.grad_checkpoint)
+        kw = dict(precision=precision, grad_ckpt=args.grad_checkpoint, accum=args.accum)
         builders = {
             "eager": lambda: _workloads.eager(config, batch, **kw),
             "compile": lambda: _workloads.eager(config, batch, compile=True, **kw),
@@ -394,7 +406,7 @@ def main(args: argparse.Namespace) -> None:
     for choice in [] if args.no_cai else choices:
         build = lambda choice=choice: _workloads.cai(  # noqa: E731
             config, batch_of, device=device, choice=choice, grad_ckpt=args.grad_checkpoint, kernels=args.kernels,
-            lazy=args.lazy, offload_activations=args.offload_activations,
+            lazy=args.lazy, offload_activations=args.offload_activations, accum=args.accum,
         )  # fmt: skip
         # A hybrid replica's tp x pp x sp ranks share its batch: each device does 1 / (tp x pp x sp) of it.
         share = choice.hybrid.model_parallel if choice.hybrid else 1
@@ -408,6 +420,7 @@ def main(args: argparse.Namespace) -> None:
         print(
             f"\n### Llama {args.config}: {shape.num_params / 1e9:.3g}B params (h{config.hidden_size} "
             f"L{config.num_hidden_layers} vocab {config.vocab_size}), b{args.batch_size} s{args.max_length}"
+            f"{f' x {args.accum} micro-batches a step' if args.accum > 1 else ''}"
             f"{f' activation checkpointing ({args.grad_checkpoint})' if args.grad_checkpoint else ''}"
             f"{f', cai blocks offloaded: {args.offload_activations:g}' if args.offload_activations else ''}, "
             f"{precision}, {world} x {gpu}, "
