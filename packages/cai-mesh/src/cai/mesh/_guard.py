@@ -20,11 +20,15 @@ the wrapper, with the backend's own message (wrapping the work handle would brea
 When a collective fails, this rank posts what it was doing to the default store and reads what the other ranks of
 the group posted (a few seconds at most), so one message shows every rank's collective: the rank that skipped or
 added a collective shows a different op, step or collective number; a rank that posted nothing is stopped, dead
-or busy outside any collective.
+or busy outside any collective. With the debug checks on, every synchronous collective is posted before it runs
+and its post removed when it completes (two store operations a collective, in a mode that already runs a check
+collective before each one): torch's sequence check raises first on one rank while another may stay inside the
+check until its timeout, and the first rank reads the other's collective from its post.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -80,11 +84,12 @@ class CollectiveMismatchError(CollectiveError):
 
 class _State:
     # An instance, not class attributes: writing a class attribute invalidates the type's caches on every call.
-    __slots__ = ("issued", "step")
+    __slots__ = ("issued", "posting", "step")
 
     def __init__(self) -> None:
         self.step = 0  # optimizer.step() calls so far (see current_step)
         self.issued = 0  # guarded collectives this process has issued
+        self.posting = False  # debug checks on: each synchronous collective is posted while it runs
 
 
 _STATE = _State()
@@ -152,6 +157,7 @@ def configure(*, timeout: timedelta, debug: bool, backend: str) -> None:
             # NCCL's flight recorder: the last collectives of every group, dumped to a file when one times out.
             os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    _STATE.posting = debug
     install()
 
 
@@ -175,6 +181,7 @@ def uninstall() -> None:
             setattr(dist, op, original)
     c10d.default_pg_timeout = constants.default_pg_timeout
     c10d.default_pg_nccl_timeout = constants.default_pg_nccl_timeout
+    _STATE.posting = False
 
 
 def _guard(op: str, original: Any) -> Any:
@@ -183,13 +190,17 @@ def _guard(op: str, original: Any) -> Any:
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         _STATE.issued += 1
+        posted = _STATE.posting and not kwargs.get("async_op") and _post(_report(name, args, kwargs))
         try:
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
         except RuntimeError as e:
             error = _translate(name, args, kwargs, e)
             if error is None:
                 raise
             raise error from e
+        if posted:
+            _unpost()
+        return out
 
     guarded._cai_guarded = True  # type: ignore[attr-defined]
     guarded._cai_original = original  # type: ignore[attr-defined]
@@ -234,19 +245,39 @@ def _group_of(args: tuple, kwargs: dict) -> Any:
     return group if group is not None else dist.group.WORLD
 
 
+def _report(op: str, args: tuple, kwargs: dict) -> _Report:
+    try:
+        ranks = [int(r) for r in dist.get_process_group_ranks(_group_of(args, kwargs))]
+    except Exception:  # the failure may have torn the group down; report what is known
+        ranks = []
+    return _Report(rank=dist.get_rank(), op=op, group=ranks, step=_STATE.step, issued=_STATE.issued)
+
+
+def _post(report: _Report) -> bool:
+    """Put ``report`` where the other ranks read it; whether it is there."""
+    try:
+        c10d._get_default_store().set(_REPORT_KEY.format(report.rank), json.dumps(report.__dict__))
+    except Exception:
+        return False
+    return True
+
+
+def _unpost() -> None:
+    with contextlib.suppress(Exception):  # a store without delete: the next post overwrites the key
+        c10d._get_default_store().delete_key(_REPORT_KEY.format(dist.get_rank()))
+
+
 def _translate(op: str, args: tuple, kwargs: dict, e: RuntimeError) -> CollectiveError | None:
     kind = _classify(e)
     if kind is None or not dist.is_initialized():
         return None
     cls, what = kind
     rank = dist.get_rank()
+    me = _report(op, args, kwargs)
     try:
-        group = _group_of(args, kwargs)
-        ranks = [int(r) for r in dist.get_process_group_ranks(group)]
-        timeout = _group_timeout(group)
-    except Exception:  # the failure may have torn the group down; report what is known
-        ranks, timeout = [], None
-    me = _Report(rank=rank, op=op, group=ranks, step=_STATE.step, issued=_STATE.issued)
+        timeout = _group_timeout(_group_of(args, kwargs))
+    except Exception:
+        timeout = None
     if cls is CollectiveTimeoutError and timeout is not None:
         what = f"timed out after {timeout.total_seconds():g} s"
     lines = [f"rank {rank}: {me.describe()}: {what}."]
@@ -282,16 +313,15 @@ def _group_timeout(group: Any) -> timedelta | None:
 
 def _exchange_reports(me: _Report) -> dict[int, _Report | None]:
     """Post this rank's report and read the other ranks' (see [Note: collective guard]); {} if no store."""
-    try:
-        store = c10d._get_default_store()
-        store.set(_REPORT_KEY.format(me.rank), json.dumps(me.__dict__))
-    except Exception:
+    if not _post(me):
         return {}
+    store = c10d._get_default_store()
     others = [r for r in me.group if r != me.rank][:_PEER_REPORT_LIMIT]
     keys = {r: _REPORT_KEY.format(r) for r in others}
     # Polled with check() rather than store.wait(), which logs a socket warning for every key that never comes.
     # Ranks that wait on each other time out at about the same moment; a stopped rank never reports, so the wait is
-    # bounded: a failing rank ends at most min(timeout / 2, 10 s) after its timeout.
+    # bounded: a failing rank ends at most min(timeout / 2, 10 s) after its timeout. With the debug checks each rank
+    # posted its collective before running it, so a rank still inside torch's check is read at once.
     deadline = time.monotonic() + min(_PEER_WAIT_S, _timeout_s() / 2)
     pending = set(others)
     try:
