@@ -8,9 +8,9 @@ scheduled; when the pool is empty the latest-arrived running sequence is preempt
 it goes back to the waiting queue with its output so far, to be recomputed as one longer prompt when it is
 admitted again (no swap space). The earliest arrival is never preempted by a later one, so every request
 finishes. A decoding sequence whose next token will start a block gets that block a step early when nothing waits
-and blocks are plentiful (``_reserve_next``), so the next step can be launched ahead. ``update()`` then advances each scheduled sequence by its tokens, registers its filled blocks in the
-prefix cache, appends the sampled token where the chunk reached the end of the sequence, and frees the blocks of
-sequences that finished.
+and blocks are plentiful (``_reserve_next``), so the next step can be launched ahead. ``update()`` then advances
+each scheduled sequence by its tokens, registers its filled blocks in the prefix cache, appends the sampled token
+where the chunk reached the end of the sequence, and frees the blocks of sequences that finished.
 """
 
 from __future__ import annotations
@@ -205,10 +205,9 @@ class Scheduler:
         block, nothing is waiting and every running sequence could still get a block: so the next step needs no
         new block and can be launched ahead (see _runner.py [Note: launching ahead]); without it a single stream
         could not launch ahead at one step in ``block_size``."""
-        bs = self.blocks.block_size
-        starts_block = (seq.num_computed + 1) % bs == 0 and (seq.num_computed + 1) // bs == len(
-            seq.block_table
-        )
+        # where the next step's token goes
+        block, offset = divmod(seq.num_computed + 1, self.blocks.block_size)
+        starts_block = offset == 0 and block == len(seq.block_table)
         goes_on = seq.num_output_tokens + 1 < seq.max_new_tokens
         if starts_block and goes_on and not self.waiting and self.blocks.num_free > len(self.running):
             seq.block_table.append(self.blocks.allocate())

@@ -106,7 +106,8 @@ _cache: OrderedDict[tuple, tuple[torch.UntypedStorage, torch.Tensor, torch.Tenso
 
 
 def _quantized(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rowwise(x, dtype)``, or the kept result of the same call on the same bytes (see [Note: fp8 linear])."""
+    """``quantize_rowwise(x, dtype)``, or the kept result of the same call on the same bytes (see
+    [Note: fp8 linear])."""
     owner = x._base if x._base is not None else x
     if owner.grad_fn is None:
         return quantize_rowwise(x, dtype)
