@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from cai.infer import InferenceConfig, InferenceEngine, SamplingParams
+from cai.infer import InferenceConfig, InferenceEngine, SamplingParams, _attention
 from cai.infer._residual import _CarriedLayer
 
 NEW = 10
@@ -95,7 +95,7 @@ CASES = (
 
 
 @pytest.mark.parametrize(("family", "regime"), CASES, ids=[f"{f}-{r.name}" for f, r in CASES])
-def test_greedy_matches_generate(family, regime, engines, make_model):
+def test_greedy_matches_generate(family, regime, engines, make_model, monkeypatch):
     config = InferenceConfig(
         dtype="fp32",
         block_size=regime.block_size,
@@ -110,6 +110,9 @@ def test_greedy_matches_generate(family, regime, engines, make_model):
     engines.append(engine)
     carried = sum(isinstance(m, _CarriedLayer) for m in engine.model.modules())
     assert carried == (2 if regime.kernels and family in CARRIED else 0)
+    fused_writes = []  # [Note: rotary in the cache write]: the rotary of every layer runs in the cache write
+    fused = _attention.paged_rope_kv_write
+    monkeypatch.setattr(_attention, "paged_rope_kv_write", lambda *a: fused_writes.append(1) or fused(*a))
     if regime.padded_decode:
         engine.runner.use_decode_graphs([1, 2, 4], config.max_blocks_per_sequence, capture=False)
         padded = []  # (sequences, size) of each replay
@@ -138,6 +141,7 @@ def test_greedy_matches_generate(family, regime, engines, make_model):
     else:
         _, got = engine.generate(prompts_token_ids=prompts, return_token_ids=True, generation_config=gen)
     assert got == _reference(make_model, family, regime.shared_prefix)
+    assert bool(fused_writes) == (regime.kernels and family in CARRIED)  # the rotary cai-kernels patches
     if regime.num_blocks is not None:
         assert engine.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
     if regime.shared_prefix:

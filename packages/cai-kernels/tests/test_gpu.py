@@ -139,3 +139,23 @@ def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear():
     (lin(x8) * dy).sum().backward()
     for got, want in ((x8.grad, x.grad), (lin.weight.grad, ref.weight.grad)):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.1
+
+
+def test_rope_kv_write_is_bitwise_rotary_then_kv_write_on_decode_shapes():
+    # Llama-3-8B decode and prefill shapes (32 query heads, 8 kv heads, head dim 128) in bf16, q/k/v as slices of
+    # one merged projection: the fused kernel gives the rotary kernel followed by the K/V write, bit for bit
+    from cai.kernels import paged_kv_write, paged_rope_kv_write
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for T in (1, 8, 512):
+        merged = torch.randn(T, (32 + 16) * 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        query, key, value = (x.view(T, -1, 128) for x in merged.split([32 * 128, 8 * 128, 8 * 128], dim=-1))
+        angles = torch.arange(T, device="cuda")[:, None] * torch.rand(64, device="cuda", generator=g)[None]
+        cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+        slots = torch.randperm(4 * T, device="cuda", generator=g)[:T]
+        caches = [torch.zeros(4 * T, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        got = paged_rope_kv_write(query, key, value, cos, sin, caches[0], caches[1], slots)
+        q4, k4 = apply_rotary_pos_emb(query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos[None], sin[None])
+        paged_kv_write(k4[0].transpose(0, 1), value, caches[2], caches[3], slots)
+        assert torch.equal(got, q4[0].transpose(0, 1))
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

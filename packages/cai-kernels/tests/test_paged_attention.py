@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from cai.kernels import paged_attention, paged_kv_write
+from cai.kernels import apply_rotary_pos_emb, paged_attention, paged_kv_write, paged_rope_kv_write
 
 PAGE = 4
 
@@ -96,3 +96,31 @@ def test_kv_write_puts_each_token_in_its_slot(impl, head_dim, dtype, device):
     k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     k_ref[where], v_ref[where] = key, value
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "rot"), [(8, 8), (80, 80), (80, 32)], ids=["d8", "d80", "d80-partial32"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_kv_write_is_rotary_then_kv_write(impl, head_dim, rot, dtype, device):
+    # q, k and v as slices of one merged projection (the serving layout), GQA, partial rotary; the fused call gives
+    # apply_rotary_pos_emb then paged_kv_write bit for bit
+    g = torch.Generator().manual_seed(4)
+    T, heads, kv_heads, slots = 5, 6, 2, 40
+    merged = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).to(device, dtype)
+    q, k, v = merged.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    query, key, value = (x.view(T, -1, head_dim) for x in (q, k, v))
+    angles = torch.arange(T)[:, None] * torch.rand(rot // 2, generator=g)[None]
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(device, dtype) for f in (torch.cos, torch.sin))
+    where = torch.tensor([7, 0, 39, 12, 13], device=device)
+    k_cache, v_cache = (torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+    got = paged_rope_kv_write(query, key, value, cos, sin, k_cache, v_cache, where)
+
+    q4, k4 = apply_rotary_pos_emb(
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    paged_kv_write(k4[0].transpose(0, 1), value, k_ref, v_ref, where)
+    assert got.is_contiguous() and torch.equal(got, q4[0].transpose(0, 1))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert not torch.equal(k_ref[where][:, :, :rot], key[:, :, :rot].to(dtype))  # the keys were rotated

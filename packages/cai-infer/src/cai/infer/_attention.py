@@ -6,20 +6,33 @@ A step runs the model once on every scheduled sequence's new tokens packed into 
 the attention function registered under ``ATTENTION_NAME`` (transformers' ``AttentionInterface``), together with
 this step's ``PagedBatch`` (passed as the ``cai_paged`` keyword, which the decoder models forward to attention).
 The function writes the new K/V into the cache slots of their positions, then lets each query attend over its own
-sequence's slots up to its position (cai-kernels' ``paged_attention``: Triton on CUDA, pure torch elsewhere): no Hugging Face forward is copied, and no mask is built by the model (the
-mask functions have no entry for this name, so transformers skips them).
+sequence's slots up to its position (cai-kernels' ``paged_attention``: Triton on CUDA, pure torch elsewhere): no
+Hugging Face forward is copied, and no mask is built by the model (the mask functions have no entry for this
+name, so transformers skips them).
+
+[Note: rotary in the cache write]
+Where cai-kernels' rotary stands in a model's modeling module (``patch_hf_model``), the engine wraps it
+(``defer_rotary``): inside the engine's forwards (``rope_deferred``) the wrapper returns q and k unrotated and
+leaves cos/sin for the attention function of the same layer, which rotates q and k and writes k and v into the
+cache in one kernel (cai-kernels' ``paged_rope_kv_write``) instead of two. Outside those forwards (a reference
+``generate``, a draft model with its own attention) the wrapper is the plain rotary. An attention call that finds
+no cos/sin left (a model whose rotary was not wrapped) writes the cache as before.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import sys
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 
-from cai.kernels import paged_attention, paged_kv_write
+from cai.kernels import apply_rotary_pos_emb, paged_attention, paged_kv_write, paged_rope_kv_write
 
 ATTENTION_NAME = "cai_paged"
 
@@ -147,6 +160,53 @@ def to_device(host: array, device: torch.device) -> torch.Tensor:
     return cpu.pin_memory().to(device, non_blocking=True)
 
 
+class _DeferredRope:
+    """Whether the engine is inside a forward whose rotary is deferred, and the cos/sin of the current layer."""
+
+    active = False
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+_ROPE = _DeferredRope()
+
+
+@contextmanager
+def rope_deferred() -> Iterator[None]:
+    """Within it, the wrapped rotary leaves cos/sin for the attention function (see [Note: rotary in the cache
+    write])."""
+    _ROPE.active, _ROPE.pending = True, None
+    try:
+        yield
+    finally:
+        _ROPE.active, _ROPE.pending = False, None
+
+
+def _deferring(rotary):
+    @functools.wraps(rotary)
+    def apply(q, k, cos, sin, *args, **kwargs):
+        if _ROPE.active and not args and not kwargs:
+            _ROPE.pending = (cos, sin)
+            return q, k
+        return rotary(q, k, cos, sin, *args, **kwargs)
+
+    apply.cai_deferring = True
+    return apply
+
+
+def defer_rotary(model: torch.nn.Module) -> list[str]:
+    """Wrap cai-kernels' rotary in the modeling modules of ``model``'s layers (see [Note: rotary in the cache
+    write]); returns the names of the modules whose rotary is deferred."""
+    names = set()
+    for mod in model.modules():
+        modeling = sys.modules.get(type(mod).__module__)
+        rotary = getattr(modeling, "apply_rotary_pos_emb", None)
+        if rotary is apply_rotary_pos_emb:
+            modeling.apply_rotary_pos_emb = _deferring(rotary)
+        if getattr(getattr(modeling, "apply_rotary_pos_emb", None), "cai_deferring", False):
+            names.add(modeling.__name__)
+    return sorted(names)
+
+
 def _hf_paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -175,9 +235,16 @@ def _hf_paged_attention(
             "token; the cache is sized from the model's config (divided by tp_size when sharded), so this model's "
             "attention splits its kv heads in a way the engine does not know"
         )
-    paged_kv_write(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, cai_paged.slot_mapping)
+    # (T, heads, hd) views
+    query, key, value = (x[0].transpose(0, 1) for x in (query, key, value))
+    rope, _ROPE.pending = _ROPE.pending, None
+    if rope is None:
+        paged_kv_write(key, value, k_cache, v_cache, cai_paged.slot_mapping)
+    else:  # [Note: rotary in the cache write]
+        cos, sin = (x.reshape(-1, x.shape[-1]) for x in rope)  # (T, R)
+        query = paged_rope_kv_write(query, key, value, cos, sin, k_cache, v_cache, cai_paged.slot_mapping)
     out = paged_attention(
-        query[0].transpose(0, 1),  # (T, heads, hd)
+        query,
         k_cache,
         v_cache,
         block_tables=cai_paged.block_tables,

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._attention import defer_rotary
 from ._blocks import BlockManager
 from ._config import InferenceConfig
 from ._fuse import fuse_projections
@@ -120,6 +121,7 @@ class InferenceEngine:
 
             patch_hf_model(model, fused_loss=False)  # fused RMSNorm, SwiGLU and rotary; the same weights
             carry_residuals(model)  # residual adds inside those RMSNorms: [Note: carried residual]
+            defer_rotary(model)  # rotary inside the K/V cache write: [Note: rotary in the cache write]
         if config.tp_size == 1:  # one matmul for q/k/v and one for gate/up: [Note: fused projections]
             fuse_projections(model)
         if config.use_cuda_graph and not on_cuda:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._attention import ATTENTION_NAME, PagedBatch, PagedKVCache, to_device
+from ._attention import ATTENTION_NAME, PagedBatch, PagedKVCache, rope_deferred, to_device
 from ._parallel import local_kv_heads
 from ._scheduler import ScheduledBatch
 
@@ -141,13 +141,14 @@ class DecodeGraphs:
             max_query_len=1,
             max_context_len=self.max_blocks * self.cache.block_size,  # sizes the split-K count once
         )
-        out = self.model(
-            input_ids=x.ids.long()[None],
-            position_ids=paged.positions[None],
-            use_cache=False,
-            logits_to_keep=self._keep[:b],
-            cai_paged=paged,
-        )
+        with rope_deferred():
+            out = self.model(
+                input_ids=x.ids.long()[None],
+                position_ids=paged.positions[None],
+                use_cache=False,
+                logits_to_keep=self._keep[:b],
+                cai_paged=paged,
+            )
         return out.logits[0].float()
 
     def _forward_all(self, b: int) -> None:
@@ -364,12 +365,13 @@ class ModelRunner:
         host = array("i", ids)
         host.extend(keep or [len(ids) - 1])
         dev = to_device(host, self.device).long()
-        out = self.model(
-            input_ids=dev[: len(ids)][None],  # (1, T): packed, no padding
-            position_ids=paged.positions[None],
-            use_cache=False,
-            logits_to_keep=dev[len(ids) :],
-            cai_paged=paged,
-        )
+        with rope_deferred():
+            out = self.model(
+                input_ids=dev[: len(ids)][None],  # (1, T): packed, no padding
+                position_ids=paged.positions[None],
+                use_cache=False,
+                logits_to_keep=dev[len(ids) :],
+                cai_paged=paged,
+            )
         logits = out.logits[0].float()  # (len(keep), vocab)
         return logits if keep else logits[:0]

@@ -13,7 +13,7 @@ from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, is_swiglu_mlp, patch_hf_model
 from cai.kernels._moe import grouped_linear, permute_tokens, unpermute_tokens
 from cai.kernels._norm import LayerNorm, RMSNorm, layer_norm, rms_norm
-from cai.kernels._paged_attention import paged_attention, paged_kv_write
+from cai.kernels._paged_attention import paged_attention, paged_kv_write, paged_rope_kv_write
 from cai.kernels._rope import apply_rotary_pos_emb
 from cai.kernels._swiglu import SwiGLUMLP, swiglu, swiglu_packed
 
@@ -38,6 +38,7 @@ __all__ = [
     "layer_norm",
     "paged_attention",
     "paged_kv_write",
+    "paged_rope_kv_write",
     "patch_hf_model",
     "permute_tokens",
     "quantize_rowwise",

@@ -85,6 +85,65 @@ def paged_kv_write(
     )  # fmt: skip
 
 
+def paged_rope_kv_write(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding and the K/V cache write in one kernel on CUDA (Triton): rotates each token's query into a
+    new tensor, which it returns, and its key into the cache, and copies its value there (``k_cache[slots[t]] =
+    rotate(key[t])``, ``v_cache[slots[t]] = value[t]``). The rotation is :func:`apply_rotary_pos_emb`'s (Hugging
+    Face's ``x * cos + rotate_half(x) * sin`` over the first ``R`` dims, in fp32), so the result is what that
+    function followed by :func:`paged_kv_write` gives, bit for bit.
+
+    Args:
+        query: (T, heads, head_dim); key, value: (T, kv_heads, head_dim); any strides with the last dim contiguous.
+        cos, sin: (T, R), each token's rotary values (``R`` even, at most head_dim).
+        k_cache, v_cache: (slots, kv_heads, head_dim), contiguous, in query's dtype.
+        slots: (T,) integer cache slots.
+
+    Returns:
+        (T, heads, head_dim) the rotated query, contiguous, in query's dtype.
+    """
+    T, heads, head_dim = query.shape
+    r = cos.shape[-1]
+    fused = (
+        use_triton(query)
+        and T > 0
+        and query.dtype == k_cache.dtype == v_cache.dtype
+        and all(t.stride(-1) == 1 for t in (query, key, value, cos, sin))
+        and cos.stride() == sin.stride()
+    )
+    if not fused:
+        from cai.kernels._rope import apply_rotary_pos_emb
+
+        # (1, heads, T, head_dim) views: apply_rotary_pos_emb's layout
+        q4, k4 = apply_rotary_pos_emb(
+            query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos[None], sin[None]
+        )
+        paged_kv_write(k4[0].transpose(0, 1), value, k_cache, v_cache, slots)
+        return q4[0].transpose(0, 1).contiguous()
+    import triton
+
+    from cai.kernels._paged_attention_triton import rope_kv_write_kernel
+
+    out = torch.empty(T, heads, head_dim, dtype=query.dtype, device=query.device)
+    half, rest = r // 2, head_dim - r
+    rope_kv_write_kernel[(T, heads + key.shape[1])](
+        query, key, value, out, k_cache, v_cache, cos, sin, slots,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), cos.stride(0), heads, half, rest,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(rest) if rest else 0,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+    return out
+
+
 def _paged_attention_torch(
     query, k_cache, v_cache, block_tables, query_start, num_computed, block_size, max_q, max_ctx, scaling, window,
     softcap,

@@ -173,3 +173,42 @@ def kv_write_kernel(
     dst = slot * c_slot + h * c_head + d
     tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
     tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_kv_write_kernel(
+    Q, K, V, QO, KC, VC, COS, SIN, SLOTS,
+    q_tok, q_head, k_tok, k_head, v_tok, v_head, o_tok, o_head, c_slot, c_head, cs_tok,
+    num_q_heads, HALF, PASS,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program: token t's query head h rotated into QO (h < num_q_heads), or its key head h - num_q_heads
+    rotated and its value head copied into their cache slot. The rotation is rope_triton's, in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    c1 = tl.load(COS + t * cs_tok + j, mask=jm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * cs_tok + HALF + j, mask=jm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * cs_tok + j, mask=jm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * cs_tok + HALF + j, mask=jm, other=0.0).to(tl.float32)
+    if h < num_q_heads:
+        src = Q + t * q_tok + h * q_head
+        dst = QO + t * o_tok + h * o_head
+    else:
+        kh = h - num_q_heads
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        src = K + t * k_tok + kh * k_head
+        dst = KC + slot * c_slot + kh * c_head
+        d = tl.arange(0, BLOCK_D)
+        dm = d < HEAD_DIM
+        v = tl.load(V + t * v_tok + kh * v_head + d, mask=dm)
+        tl.store(VC + slot * c_slot + kh * c_head + d, v.to(VC.dtype.element_ty), mask=dm)
+    x1 = tl.load(src + j, mask=jm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + j, mask=jm, other=0.0).to(tl.float32)
+    tl.store(dst + j, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=jm)
+    tl.store(dst + HALF + j, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=jm)
+    if BLOCK_PASS > 0:  # partial rotary: the dims past the rotary ones unchanged
+        p = tl.arange(0, BLOCK_PASS)
+        pm = p < PASS
+        tl.store(dst + 2 * HALF + p, tl.load(src + 2 * HALF + p, mask=pm).to(dst.dtype.element_ty), mask=pm)
