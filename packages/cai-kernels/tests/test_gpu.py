@@ -155,7 +155,9 @@ def test_rope_kv_write_is_bitwise_rotary_then_kv_write_on_decode_shapes():
         slots = torch.randperm(4 * T, device="cuda", generator=g)[:T]
         caches = [torch.zeros(4 * T, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         got = paged_rope_kv_write(query, key, value, cos, sin, caches[0], caches[1], slots)
-        q4, k4 = apply_rotary_pos_emb(query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos[None], sin[None])
+        q4, k4 = apply_rotary_pos_emb(
+            query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos[None], sin[None]
+        )
         paged_kv_write(k4[0].transpose(0, 1), value, caches[2], caches[3], slots)
         assert torch.equal(got, q4[0].transpose(0, 1))
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
