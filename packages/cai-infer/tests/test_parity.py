@@ -2,8 +2,8 @@
 (a mixed-length batch, requests arriving while others decode, forced preemption, prefix sharing, chunked prefill)
 and two more (Qwen3; Gemma2 with soft-capping and alternating sliding windows) under all of them at once; and all
 six under all of them at once with decode steps run through the decode graphs' padded buffers (eagerly: the
-capture itself needs CUDA, see test_gpu.py), also with cai-kernels' modules and the residual adds carried into the
-norms."""
+capture itself needs CUDA, see test_gpu.py), also with cai-kernels' modules, the residual adds carried into the
+norms and the rotary in the K/V cache write."""
 
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ class Regime:
     arrive_every: int = 0  # > 0: add one request every this many steps instead of all at once
     shared_prefix: int = 0  # tokens every prompt starts with
     padded_decode: bool = False  # decode steps through DecodeGraphs' static buffers, padded to sizes 1, 2, 4
-    kernels: bool = (
-        False  # cai-kernels' modules (torch fallbacks on CPU) and residual adds carried into the norms
-    )
+    # cai-kernels' modules (torch fallbacks on CPU), residual adds carried into the norms, rotary in the K/V write
+    kernels: bool = False
 
 
 REGIMES = [
@@ -56,12 +55,8 @@ PADDED = Regime(
     padded_decode=True,
 )
 PADDED_KERNELS = dataclasses.replace(PADDED, name="all-padded-kernels", kernels=True)
-CARRIED = (
-    "llama",
-    "qwen2",
-    "mistral",
-    "qwen3",
-)  # the families whose layers carry the residual (gemma's norms differ)
+# the families whose layers carry the residual and whose rotary cai-kernels patches (gemma's norms differ)
+CARRIED = ("llama", "qwen2", "mistral", "qwen3")
 LENGTHS = (3, 13, 8, 1, 17, 6)
 
 _references: dict[tuple[str, int], list[list[int]]] = {}
@@ -141,7 +136,7 @@ def test_greedy_matches_generate(family, regime, engines, make_model, monkeypatc
     else:
         _, got = engine.generate(prompts_token_ids=prompts, return_token_ids=True, generation_config=gen)
     assert got == _reference(make_model, family, regime.shared_prefix)
-    assert bool(fused_writes) == (regime.kernels and family in CARRIED)  # the rotary cai-kernels patches
+    assert bool(fused_writes) == (regime.kernels and family in CARRIED)
     if regime.num_blocks is not None:
         assert engine.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
     if regime.shared_prefix:
