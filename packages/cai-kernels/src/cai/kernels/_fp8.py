@@ -65,6 +65,7 @@ def _quantize_rowwise_triton(
     import triton
 
     from cai.kernels._fp8_triton import quantize_rows_kernel, quantize_split_kernel, row_amax_kernel
+    from cai.kernels._norm_triton import _sm_count
 
     M, K = x.shape
     q = torch.empty(M, K, dtype=dtype, device=x.device)
@@ -74,7 +75,8 @@ def _quantize_rowwise_triton(
     block_m, block_k = _ROW_MAJOR_TILE if x.stride(1) == 1 else _TRANSPOSED_TILE
     block_k = min(block_k, triton.next_power_of_2(K))
     row_blocks = triton.cdiv(M, block_m)
-    programs = programs or 2 * _sm_count(x.device)
+    # on CPU (the interpreter) any count exercises both paths
+    programs = programs or 2 * (_sm_count(x.device.index or 0) if x.is_cuda else 64)
     fp8_max = torch.finfo(dtype).max
     if row_blocks >= programs or block_k >= K:
         quantize_rows_kernel[(row_blocks,)](
@@ -92,13 +94,6 @@ def _quantize_rowwise_triton(
         FP8_MAX=fp8_max, EPS=_EPS, BLOCK_M=block_m, BLOCK_K=block_k,
     )  # fmt: skip
     return q, scale
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 64  # the interpreter on CPU: any count exercises both paths
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _CACHE_SIZE = 4
