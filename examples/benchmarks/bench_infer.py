@@ -51,76 +51,25 @@ figures). A progress line runs on stderr for every long phase. With ``OUT`` set 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import gc
-import importlib.util
 import json
-import math
-import multiprocessing
 import os
 import random
-import socket
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples' shared helpers
 
 import torch
+from _infer_common import DTYPES, Progress, cai_engine, ms, note, random_prompts, release, sync, table, warm
+from _infer_server import CLIENTS, print_server, server_bench
 from _models import PRESETS, preset_config
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
 
-from cai.infer import AsyncInferenceEngine, InferenceConfig, InferenceEngine, SamplingParams
+from cai.infer import InferenceEngine, SamplingParams
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ALL_MODES = ("offline", "single", "server", "prefix")
 ALL_PEERS = ("hf-batch", "hf-generate", "hf-compile")
-CLIENTS = ("httpx", "aiohttp")
-SERVED_NAME = "bench"
-
-
-class Progress:
-    """One status line on stderr, rewritten at most every ``every`` seconds (a plain line when not a terminal)."""
-
-    def __init__(self, label: str, total: int, unit: str, every: float = 0.5) -> None:
-        self.label, self.total, self.unit, self.every = label, total, unit, every
-        self.start = self.last = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def update(self, done: int, tokens: int, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not force and now - self.last < self.every:
-            return
-        self.last = now
-        rate = tokens / max(now - self.start, 1e-9)
-        line = f"{self.label}: {done}/{self.total} {self.unit}, {tokens} tokens, {rate:,.0f} tok/s"
-        sys.stderr.write(f"\r{line}\033[K" if self.tty else line + "\n")
-        sys.stderr.flush()
-
-    def close(self, done: int, tokens: int) -> None:
-        self.update(done, tokens, force=True)
-        if self.tty:
-            sys.stderr.write("\n")
-
-
-def note(text: str) -> None:
-    """A phase without counts (a compile, a server start) on the progress stream."""
-    print(text, file=sys.stderr, flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def release(device: torch.device) -> None:
-    """Give the memory of a dropped engine (its KV pool) back before the next one is built."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -148,21 +97,6 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * nbytes / sorted(times)[5]  # read + write per element
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100), linear between the closest ranks; None for no values."""
-    s = sorted(values)
-    if not s:
-        return None
-    k = (len(s) - 1) * q / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def random_prompts(rng: random.Random, n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 def workload(args, vocab: int) -> list[list[int]]:
     return random_prompts(
         random.Random(args.seed), args.num_requests, args.min_prompt, args.max_prompt, vocab
@@ -170,57 +104,6 @@ def workload(args, vocab: int) -> list[list[int]]:
 
 
 # ---- cai's engine ---------------------------------------------------------------------------------------------
-
-
-def cai_engine(
-    model,
-    args,
-    *,
-    max_input: int,
-    max_output: int,
-    batch: int,
-    prefix_caching: bool = False,
-    drop_eos: bool = False,
-) -> InferenceEngine:
-    """An engine on ``model``. ``drop_eos``: built as for a model without an EOS token, so that requests that
-    cannot say ``ignore_eos`` (the HTTP API has no such field) still run to their length."""
-    gen = getattr(model, "generation_config", None)
-    saved = getattr(gen, "eos_token_id", None)
-    if drop_eos and gen is not None:
-        gen.eos_token_id = None  # the engine reads the model's EOS once, when it is built
-    try:
-        return InferenceEngine(
-            model,
-            None,
-            InferenceConfig(
-                dtype=DTYPES[args.dtype],
-                max_batch_size=batch,
-                max_input_len=max_input,
-                max_output_len=max_output,
-                block_size=args.block_size,
-                num_blocks=args.num_blocks,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                # Off unless measured: random prompts share nothing and the lookups would only cost.
-                enable_prefix_caching=prefix_caching,
-                ignore_eos=True,
-                use_cuda_kernel={"default": None, "on": True, "off": False}[args.use_cuda_kernel],
-            ),
-        )
-    finally:
-        if drop_eos and gen is not None:
-            gen.eos_token_id = saved
-
-
-def warm(engine: InferenceEngine, vocab: int) -> None:
-    """Two short untimed requests (a short and a full-length prompt): kernels compile, buffers are allocated."""
-    rng = random.Random(-1)
-    longest = engine.config.max_input_len
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in sorted({min(8, longest), longest})]
-    engine.add_request(
-        prompts_token_ids=prompts, sampling_params=SamplingParams(max_new_tokens=2, ignore_eos=True)
-    )
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def run_engine(engine: InferenceEngine, prompts: list[list[int]], output_len: int, label: str) -> dict:
@@ -395,298 +278,6 @@ def single_hf_compile(model, prompt: list[int], args) -> dict:
     }
 
 
-# ---- server: Poisson arrivals against the HTTP server (or the async engine) ---------------------------------
-
-Submit = Callable[[list[int], int], AsyncIterator[int]]  # (prompt, max_tokens) -> new tokens per chunk
-
-
-def poisson_plan(args, vocab: int, rates: list[float]) -> list[dict]:
-    """Per rate: arrival offsets (exponential gaps, the first at 0) and random prompts of the offline lengths."""
-    rng = random.Random(args.seed + 3)
-    plan = []
-    for rate in rates:
-        arrivals, t = [], 0.0
-        for i in range(args.server_requests):
-            arrivals.append(t)
-            if i + 1 < args.server_requests:
-                t += rng.expovariate(rate)
-        prompts = random_prompts(rng, args.server_requests, args.min_prompt, args.max_prompt, vocab)
-        plan.append({"rate": rate, "arrivals": arrivals, "prompts": prompts})
-    return plan
-
-
-async def drive(entry: dict, submit: Submit, output_len: int) -> list[dict]:
-    """Send each prompt at its arrival time, stream it, and time its tokens (client side)."""
-    prompts = entry["prompts"]
-    bar = Progress(f"cai server {entry['rate']:g} req/s", len(prompts), "requests")
-    counts = {"done": 0, "tokens": 0}
-    t0 = time.perf_counter()
-
-    async def one(at: float, prompt: list[int]) -> dict:
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        sent = time.perf_counter()
-        first = last = None
-        n = 0
-        try:
-            async for k in submit(prompt, output_len):
-                if not k:
-                    continue
-                last = time.perf_counter()
-                if first is None:
-                    first = last
-                n += k
-                counts["tokens"] += k
-                bar.update(counts["done"], counts["tokens"])
-        except Exception as e:  # counted as a failed request; the others go on
-            return {"error": f"{type(e).__name__}: {e}"}
-        counts["done"] += 1
-        if first is None:
-            return {"error": "the stream ended without a token"}
-        return {
-            "sent_s": sent - t0,
-            "late_s": sent - t0 - at,
-            "ttft_s": first - sent,
-            "end_s": last - t0,
-            "tokens": n,
-            "tpot_s": (last - first) / (n - 1) if n > 1 else None,
-        }
-
-    records = await asyncio.gather(*(one(a, p) for a, p in zip(entry["arrivals"], prompts, strict=True)))
-    bar.close(counts["done"], counts["tokens"])
-    return records
-
-
-def summarize(rate: float, records: list[dict], output_len: int) -> dict:
-    ok = [r for r in records if "error" not in r]
-    errors = [r["error"] for r in records if "error" in r]
-    row: dict = {"rate": rate, "requests": len(records), "ok": len(ok), "errors": len(errors)}
-    if errors:
-        row["first_error"] = errors[0]
-    if not ok:
-        return row
-    start = min(r["sent_s"] for r in ok)
-    duration = max(r["end_s"] for r in ok) - start
-    sends = max(r["sent_s"] for r in ok) - start
-    tokens = sum(r["tokens"] for r in ok)
-    ttft = [r["ttft_s"] for r in ok]
-    tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
-    row.update(
-        short=sum(r["tokens"] != output_len for r in ok),  # requests that stopped before --output-len
-        output_tokens=tokens,
-        seconds=duration,
-        sent_rate=(len(ok) - 1) / sends if sends > 0 else None,
-        completed_rate=len(ok) / duration,
-        tokens_per_s=tokens / duration,
-        ttft_p50_s=percentile(ttft, 50),
-        ttft_p99_s=percentile(ttft, 99),
-        ttft_mean_s=sum(ttft) / len(ttft),
-        tpot_p50_s=percentile(tpot, 50),
-        tpot_p99_s=percentile(tpot, 99),
-        tpot_mean_s=sum(tpot) / len(tpot) if tpot else None,
-        max_send_late_s=max(r["late_s"] for r in ok),
-    )
-    return row
-
-
-def sse_tokens(line: str) -> int | None:
-    """Tokens in one server-sent event line of a completions stream (0 for other lines, None at ``[DONE]``).
-    Without a tokenizer the server's text is the token ids joined by spaces."""
-    if not line.startswith("data:"):
-        return 0
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return None
-    return len(json.loads(data)["choices"][0]["text"].split())
-
-
-def completion_body(prompt: list[int], max_tokens: int) -> dict:
-    return {
-        "model": SERVED_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-
-
-@contextlib.asynccontextmanager
-async def http_submitter(url: str, client: str):
-    endpoint = url + "/v1/completions"
-    if client == "httpx":
-        import httpx
-
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=None, limits=limits) as session:
-
-            async def submit(prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
-                async with session.stream("POST", endpoint, json=completion_body(prompt, max_tokens)) as r:
-                    if r.status_code != 200:
-                        raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-                    async for line in r.aiter_lines():
-                        n = sse_tokens(line)
-                        if n is None:
-                            return
-                        yield n
-
-            yield submit
-    elif client == "aiohttp":
-        import aiohttp
-
-        connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-
-            async def submit(prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
-                async with session.post(endpoint, json=completion_body(prompt, max_tokens)) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-                    async for raw in r.content:
-                        n = sse_tokens(raw.decode())
-                        if n is None:
-                            return
-                        yield n
-
-            yield submit
-    else:
-        raise ValueError(f"unknown client {client!r}; choose from {CLIENTS}")
-
-
-async def client_runs(
-    url: str, client: str, plan: list[dict], output_len: int, vocab: int
-) -> list[list[dict]]:
-    async with http_submitter(url, client) as submit:
-        rng = random.Random(-2)
-        for n in (8, 8):  # untimed: connections opened, the server's first requests served
-            async for _ in submit([rng.randrange(vocab) for _ in range(n)], 2):
-                pass
-        return [await drive(entry, submit, output_len) for entry in plan]
-
-
-def client_process(url: str, client: str, plan: list[dict], output_len: int, vocab: int, conn) -> None:
-    """The client's process: its own interpreter, so that parsing streams does not compete with the engine for
-    the server's GIL. Sends back ("ok", records per rate) or ("error", message)."""
-    try:
-        conn.send(("ok", asyncio.run(client_runs(url, client, plan, output_len, vocab))))
-    except BaseException as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-    finally:
-        conn.close()
-
-
-@contextlib.contextmanager
-def serving(engine: AsyncInferenceEngine):
-    """cai's app under uvicorn in a daemon thread, on a free port of 127.0.0.1; yields the base URL."""
-    import uvicorn
-
-    from cai.infer._server import build_app
-
-    app = build_app(engine, SERVED_NAME)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; uvicorn serves on this very socket
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn")
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            sock.close()
-            raise RuntimeError("uvicorn did not start (see its log above)")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-
-
-def server_transport(args) -> tuple[str, str | None]:
-    """("http", client) or ("engine", None), from --server-via and --client and what is installed."""
-    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
-    clients = [
-        c for c in (CLIENTS if args.client == "auto" else (args.client,)) if importlib.util.find_spec(c)
-    ]
-    if args.server_via == "engine":
-        return "engine", None
-    why = None
-    if missing:
-        why = f"{', '.join(missing)} not installed (pip install 'cai-infer[serve]')"
-    elif not clients:
-        why = f"no HTTP client ({' or '.join(CLIENTS) if args.client == 'auto' else args.client}) installed"
-    if why is None:
-        return "http", clients[0]
-    if args.server_via == "http":
-        raise RuntimeError(f"--server-via http: {why}")
-    note(f"server mode: {why}; requests go to AsyncInferenceEngine.generate in this process, without HTTP")
-    return "engine", None
-
-
-def server_bench(model, args, rates: list[float]) -> dict:
-    via, client = server_transport(args)
-    vocab = model.config.vocab_size
-    plan = poisson_plan(args, vocab, rates)
-    engine = cai_engine(
-        model,
-        args,
-        max_input=args.max_prompt,
-        max_output=args.output_len,
-        batch=args.max_batch_size,
-        drop_eos=via == "http",
-    )
-    warm(engine, vocab)
-    aengine = AsyncInferenceEngine(engine)
-    if via == "http":
-        ctx = multiprocessing.get_context("spawn")
-        with serving(aengine) as url:
-            note(f"cai server at {url}; client ({client}) in a separate process ...")
-            mine, theirs = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=client_process, args=(url, client, plan, args.output_len, vocab, theirs), daemon=True
-            )
-            proc.start()
-            theirs.close()
-            try:
-                status, payload = mine.recv()
-            except EOFError:
-                status, payload = (
-                    "error",
-                    f"the client process died (exit code {proc.join(5) or proc.exitcode})",
-                )
-            proc.join(timeout=30)
-        if status != "ok":
-            raise RuntimeError(f"server client: {payload}")
-        per_rate = payload
-        transport = f"HTTP /v1/completions (uvicorn in-process, {client} client in a separate process)"
-    else:
-
-        async def submit(prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
-            params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
-            seen = 0
-            async for out in aengine.generate(prompt_token_ids=prompt, sampling_params=params):
-                yield len(out.token_ids) - seen
-                seen = len(out.token_ids)
-
-        async def runs() -> list[list[dict]]:
-            return [await drive(entry, submit, args.output_len) for entry in plan]
-
-        per_rate = asyncio.run(runs())
-        transport = "AsyncInferenceEngine.generate in-process (no HTTP)"
-    rows = [
-        summarize(entry["rate"], recs, args.output_len) for entry, recs in zip(plan, per_rate, strict=True)
-    ]
-    return {
-        "transport": transport,
-        "via": via,
-        "client": client,
-        "preemptions": engine.scheduler.num_preemptions,
-        "rates": {f"{row['rate']:g}": row for row in rows},
-    }
-
-
 # ---- prefix caching -------------------------------------------------------------------------------------------
 
 
@@ -717,17 +308,6 @@ def prefix_bench(model, args) -> dict:
 
 
 # ---- tables ---------------------------------------------------------------------------------------------------
-
-
-def table(header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, ["-" * w for w in widths], *rows]:
-        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
-        print("  " + "  ".join(cells).rstrip())
-
-
-def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{1000 * seconds:,.1f}"
 
 
 def ratio(cai: float, peer: float) -> str:
@@ -768,43 +348,6 @@ def print_single(results: dict, args) -> None:
     table(
         ["", "decode tok/s", "of weight-read limit", "first token ms", "compile+warmup s", "cai vs it"], rows
     )
-
-
-def print_server(results: dict, args) -> None:
-    srv = results["server"]
-    print(
-        f"\nserver: {srv['transport']}; Poisson arrivals, {args.server_requests} requests a rate, prompts "
-        f"{args.min_prompt}-{args.max_prompt}, {args.output_len} tokens each (EOS off), streamed"
-    )
-    rows = []
-    for row in srv["rates"].values():
-        if not row.get("ok"):
-            rows.append(
-                [f"{row['rate']:g}", f"0/{row['requests']}", *[""] * 6, row.get("first_error", "")[:60]]
-            )
-            continue
-        issues = [f"{row['errors']} failed"] if row["errors"] else []
-        if row["short"]:
-            issues.append(f"{row['short']} stopped short")
-        rows.append(
-            [
-                f"{row['rate']:g}",
-                f"{row['ok']}/{row['requests']}",
-                f"{row['completed_rate']:.2f}",
-                f"{row['tokens_per_s']:,.1f}",
-                ms(row["ttft_p50_s"]),
-                ms(row["ttft_p99_s"]),
-                ms(row["tpot_p50_s"]),
-                ms(row["tpot_p99_s"]),
-                ", ".join(issues),
-            ]
-        )
-    table(
-        ["req/s asked", "ok", "req/s done", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-         "TPOT p99 ms", ""],
-        rows,
-    )  # fmt: skip
-    print(f"  (no transformers peer: it has no server; {srv['preemptions']} preemptions in cai's engine)")
 
 
 def print_prefix(results: dict, args) -> None:
