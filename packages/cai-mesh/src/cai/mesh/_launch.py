@@ -114,7 +114,7 @@ def _destroy_at_exit() -> None:
     ("terminate called without an active exception", exit code 134) after a run that succeeded. Destroying the
     group is not enough: objects in reference cycles (a schedule, an autograd graph) can still hold its work and
     tensors until the collector runs, which may first be during finalisation; collecting right after the destroy
-    frees them while the interpreter is whole (a 2-rank pipeline script under load aborted 16 times in 192 runs
+    frees them while the interpreter is whole (a 2-rank pipeline script under load aborted 13 times in 160 runs
     without the collection, 0 in 160 with it). After an uncaught exception the group is left alone: destroying it
     could wait on ranks that are still inside a collective.
     """
