@@ -148,7 +148,7 @@ class PluginChoice:
     offload_optim_frac: float = 0.0
     offload_param_frac: float = 0.0
     hybrid: HybridLayout | None = None  # --plugin hybrid's sizes (default: tp 1, pp 1, ZeRO-1)
-    use_fp8: bool = False  # FP8 linear layers (LowLevelZero and Gemini)
+    use_fp8: bool = False  # FP8 linear layers (LowLevelZero, Gemini and HybridParallel)
 
     def __post_init__(self) -> None:
         if self.name not in PLUGINS:
@@ -167,8 +167,8 @@ class PluginChoice:
             )
         if self.cpu_offload and self.name not in ("zero1", "zero2", "fsdp"):
             raise ValueError(f"--cpu-offload applies to zero1, zero2 and fsdp, not --plugin {self.name}")
-        if self.use_fp8 and self.name not in ("zero1", "zero2", "gemini"):
-            raise ValueError(f"--fp8 applies to zero1, zero2 and gemini, not --plugin {self.name}")
+        if self.use_fp8 and self.name not in ("zero1", "zero2", "gemini", "hybrid"):
+            raise ValueError(f"--fp8 applies to zero1, zero2, gemini and hybrid, not --plugin {self.name}")
         if self.hybrid is not None and self.name != "hybrid":
             raise ValueError(
                 f"--tp/--pp/--sp/--sp-mode/--zero-stage/--microbatches are HybridParallelPlugin's; got --plugin "
@@ -225,6 +225,7 @@ def make_booster(choice: PluginChoice):
             sequence_parallelism_mode=h.mode,
             zero_stage=h.zero_stage,
             precision=choice.precision,
+            use_fp8=choice.use_fp8,
             max_norm=choice.max_norm,
             make_vocab_size_divisible_by=h.vocab_multiple,
             **({"num_microbatches": h.num_microbatches} if h.num_microbatches else {}),

@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="swap in cai's fused kernels (cai.kernels.patch_hf_model)",
     )
     p.add_argument("-g", "--grad-ckpt", action="store_true", help="activation checkpointing")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 linear layers (use_fp8=True; zero1, zero2, gemini and hybrid; matmuls on FP8 tensor cores from "
+        "compute capability 8.9, emulated elsewhere)",
+    )
     p.add_argument("--log-every", type=int, default=10)
     hybrid = p.add_argument_group("--plugin hybrid (HybridParallelPlugin; dp = world / (tp x pp x sp))")
     hybrid.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 1)")
@@ -119,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.save_at = args.steps // 2
     if not 0 <= args.save_at <= args.steps:
         p.error(f"--save-at {args.save_at} must be in [0, --steps {args.steps}]")
+    if args.fp8 and args.plugin not in ("zero1", "zero2", "gemini", "hybrid"):
+        p.error(f"--fp8 applies to zero1, zero2, gemini and hybrid, not --plugin {args.plugin}")
     try:
         args.layout = hybrid_layout(args)
         args.world = world_size(args)
@@ -199,7 +207,11 @@ class Run:
         if precision == "auto":
             precision = "bf16" if device.type == "cuda" else "fp32"
         self.choice = PluginChoice(
-            name=args.plugin, precision=precision, max_norm=args.max_norm, hybrid=args.layout
+            name=args.plugin,
+            precision=precision,
+            max_norm=args.max_norm,
+            hybrid=args.layout,
+            use_fp8=args.fp8,
         )
         # Sequence parallelism cuts every sequence evenly: batches are right-padded to a multiple of this.
         self.seq_multiple = args.layout.seq_multiple if args.layout else 1

@@ -52,6 +52,19 @@ def test_train_llama_trains_checkpoints_resumes_and_reports_accuracy(tmp_path: P
 
 
 @pytest.mark.slow
+def test_train_llama_fp8_trains_in_one_process() -> None:
+    """--fp8 (use_fp8=True): the emulated FP8 linear layers on CPU, one process, no checkpoint."""
+    out = _run(
+        [str(EXAMPLES / "train_llama.py"), "--fp8", "--nproc", "1", "--steps", "30", "--save-at", "0",
+         "--log-every", "10", "--eval-samples", "8"],
+        timeout=300,
+    )  # fmt: skip
+    assert "plugin LowLevelZero-2 FP8 (fp32) | 1 x cpu (gloo)" in out, out
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) \|", out)]
+    assert "step 30/30" in out and losses[-1] < losses[0], f"loss did not go down: {losses}\n{out}"
+
+
+@pytest.mark.slow
 def test_train_llama_hybrid_tp2_pp2_trains_checkpoints_resumes_and_reports_accuracy(tmp_path: Path) -> None:
     """The main job through HybridParallelPlugin on 4 gloo processes (tp 2 x pp 2, the 1F1B schedule over 4
     micro-batches, ZeRO-1): training through execute_pipeline, save_state, a rebuilt run that load_states, and
@@ -100,6 +113,7 @@ def test_benchmark_tiny_with_peers_prints_one_table_and_json(tmp_path: Path) -> 
     assert data["args"]["accum"] == 2 and "b2 s32 x 2 micro-batches a step" in out  # every row accumulates
     # --profile: every row's step split by kind of work, the parts within the step
     assert profiled.count("\n| ") == 10 and "| matmul |" in profiled and "| idle |" in profiled, profiled
+    assert profiled.count("largest kernels besides matmul and attention") == 3, profiled
     for r in data["rows"]:
         parts = r["breakdown"]
         assert parts["matmul"] > 0 and parts["optimizer"] > 0 and parts["step"] > 0, (r["name"], parts)
@@ -197,8 +211,9 @@ def test_finetune_hf_lora_adapter_reloads_with_peft(tmp_path: Path) -> None:
         ("--plugin hybrid --pp 2 --zero-stage 2", "--zero-stage 2 does not combine with --pp 2"),
         ("--plugin hybrid --pp 2 --microbatches 5", "32 sequences, which do not cut into --microbatches 5"),
         ("--plugin hybrid --sp-mode ring", "--sp-mode ring splits the sequence over the tp group"),
+        ("--plugin ddp --fp8", "--fp8 applies to zero1, zero2, gemini and hybrid, not --plugin ddp"),
     ],
-    ids=["not-hybrid", "world", "heads", "layers", "zero2-pp", "microbatches", "sp-mode"],
+    ids=["not-hybrid", "world", "heads", "layers", "zero2-pp", "microbatches", "sp-mode", "fp8-ddp"],
 )  # fmt: skip
 def test_train_llama_rejects_hybrid_flags_that_do_not_fit(flags: str, error: str, capsys) -> None:
     from train_llama import parse_args

@@ -39,16 +39,19 @@ def bucket(name: str) -> str:
     return "other"
 
 
-def _device_time_us(evt) -> float:
-    for attr in ("self_device_time_total", "self_cuda_time_total"):
-        if hasattr(evt, attr):
-            return float(getattr(evt, attr))
-    return 0.0
-
-
-def step_breakdown(step: Callable[[], None], *, device: torch.device, steps: int = 2) -> dict[str, float]:
+def step_breakdown(
+    step: Callable[[], None],
+    *,
+    device: torch.device,
+    steps: int = 2,
+    top: list | None = None,
+    trace: str | None = None,
+) -> dict[str, float]:
     """Milliseconds per step in each of ``BUCKETS`` plus ``"idle"`` and ``"step"`` (the wall time), over ``steps``
-    profiled steps (run them after warm-up: compilation and allocation would count)."""
+    profiled steps (run them after warm-up: compilation and allocation would count). ``top``, if given, receives
+    the ten largest kernels (operators on the CPU) outside the matmul and attention buckets as ``(ms per step,
+    bucket, name)``: what the step spends besides its products. ``trace``, if given, is a path the profiled steps
+    are written to as a Chrome trace (gzipped when it ends in ``.gz``)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -60,13 +63,29 @@ def step_breakdown(step: Callable[[], None], *, device: torch.device, steps: int
         if cuda:
             torch.cuda.synchronize(device)
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    if trace:
+        prof.export_chrome_trace(trace)
+    per_name: dict[str, float] = {}
+    if cuda:
+        # the kernels themselves; not the ranges that record_function (the optimizer's step, compiled regions)
+        # mirrors on the device timeline, whose time is their kernels' again
+        for evt in prof.events():
+            if evt.device_type == torch.autograd.DeviceType.CUDA and not getattr(
+                evt, "is_user_annotation", False
+            ):
+                per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us()
+    else:  # the operators' self time (top-level ones only would miss nested work; self time counts it once)
+        for evt in prof.key_averages():
+            per_name[evt.key] = float(evt.self_cpu_time_total)
     out = dict.fromkeys(BUCKETS, 0.0)
-    for evt in prof.key_averages():
-        # on the GPU the kernels' own time; on the CPU the operators' self time (top-level ones only would miss
-        # the work of nested calls, self time counts each microsecond once)
-        us = _device_time_us(evt) if cuda else float(evt.self_cpu_time_total)
-        if us > 0 and (not cuda or evt.device_type != torch.autograd.DeviceType.CPU):
-            out[bucket(evt.key)] += us / 1e3 / steps
+    rest = []
+    for name, us in per_name.items():
+        label = bucket(name)
+        out[label] += us / 1e3 / steps
+        if us > 0 and label not in ("matmul", "attention"):
+            rest.append((us / 1e3 / steps, label, name))
+    if top is not None:
+        top.extend(sorted(rest, reverse=True)[:10])
     busy = sum(v for k, v in out.items() if k != "communication")
     out["idle"] = max(0.0, wall_ms - busy)
     out["step"] = wall_ms

@@ -113,6 +113,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "kernels, optimizer, communication, copies, other, idle)",
     )
     p.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="with --profile: also write each row's profiled steps as a gzipped Chrome trace into DIR",
+    )
+    p.add_argument(
         "--offload-activations",
         type=float,
         default=0.0,
@@ -240,6 +245,7 @@ class Row:
     peak_gib: float = 0.0
     step_s: float = 0.0  # median step time
     breakdown: dict | None = None  # --profile: ms per step by kind of work (_breakdown.py)
+    top_kernels: list | None = None  # --profile: the largest kernels besides matmul and attention
 
 
 def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> float:
@@ -286,7 +292,12 @@ def measure(
         if args.profile:
             from _breakdown import step_breakdown
 
-            row.breakdown = step_breakdown(workload.step, device=device)
+            row.top_kernels = []
+            trace = None
+            if args.trace:
+                slug = "".join(c if c.isalnum() else "_" for c in workload.name).strip("_")
+                trace = os.path.join(args.trace, f"trace_{slug}.json.gz")
+            row.breakdown = step_breakdown(workload.step, device=device, top=row.top_kernels, trace=trace)
     except torch.OutOfMemoryError:
         row.status = "OOM"
     except Exception as exc:  # a failing configuration is reported in the table; the others still run
@@ -432,6 +443,11 @@ def main(args: argparse.Namespace) -> None:
 
             profiled = {r.name: r.breakdown for r in rows if r.breakdown}
             print(f"\nwhere a step's time goes (2 profiled steps):\n{_breakdown.table(profiled)}", flush=True)
+            for r in rows:
+                if r.top_kernels:
+                    print(f"\nlargest kernels besides matmul and attention, {r.name} (ms per step):")
+                    for ms, label, name in r.top_kernels:
+                        print(f"  {ms:7.2f}  {label:<14} {name[:110]}")
         out = os.environ.get("OUT")
         if out:
             ranks = f"_w{world}" if world > 1 else ""

@@ -139,6 +139,24 @@ def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear():
     (lin(x8) * dy).sum().backward()
     for got, want in ((x8.grad, x.grad), (lin.weight.grad, ref.weight.grad)):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.1
+    # that linear ran as two compiled bodies ([Note: fp8 host time]); the eager path (Triton quantiser, the same
+    # _scaled_mm calls) gives the same products
+    from cai.kernels import _fp8
+
+    assert _fp8._compiled.cache_info().currsize == 2
+    x2, dy2 = x8.detach().reshape(-1, 512), dy.reshape(-1, 384)
+    _fp8._cache.clear()
+    eager = [
+        fp8_matmul(x2, lin.weight, torch.bfloat16),
+        fp8_matmul(dy2, lin.weight.t(), torch.bfloat16, a_dtype=_fp8.GRAD_DTYPE),
+        fp8_matmul(dy2.t(), x2.t(), torch.bfloat16, a_dtype=_fp8.GRAD_DTYPE),
+    ]
+    compiled = [
+        _fp8._compiled(_fp8._forward_body)(*_fp8._graph_inputs(x2, lin.weight)),
+        *_fp8._compiled(_fp8._backward_body)(*_fp8._graph_inputs(dy2, x2, lin.weight)),
+    ]
+    for got, want in zip(compiled, eager, strict=True):
+        assert rel_err(got, want) < 1e-3
 
 
 def test_rope_kv_write_is_bitwise_rotary_then_kv_write_on_decode_shapes():
