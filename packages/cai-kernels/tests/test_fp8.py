@@ -191,3 +191,36 @@ def test_compiled_bodies_are_kept_to_a_few_shapes(monkeypatch) -> None:
     taken = [_fp8._graph_for(torch.empty(16 * n, 32), w) for n in range(1, _fp8._MAX_GRAPH_SHAPES + 3)]
     assert taken == [True] * _fp8._MAX_GRAPH_SHAPES + [False, False]
     assert _fp8._graph_for(torch.empty(16, 32), w)  # a shape that has its graphs keeps them
+
+
+def test_a_failed_compile_falls_back_to_the_eager_path(monkeypatch, caplog) -> None:
+    # where Inductor cannot compile (no Triton, no compiler), the linear runs eagerly with the same values, once
+    # warned, and does not try again
+    from cai.kernels import _fp8
+
+    calls = []
+
+    def failing(body):
+        def run(*args):
+            calls.append(body.__name__)
+            raise torch._dynamo.exc.TorchDynamoException("no compiler")
+
+        return run
+
+    monkeypatch.setattr(_fp8, "_compiled", failing)
+    monkeypatch.setattr(_fp8, "_compile_failed", False)
+    # the CUDA condition, here on CPU, and the eager path's emulated product
+    monkeypatch.setattr(_fp8, "_whole_body", lambda x2, weight: not _fp8._compile_failed)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 16, 32, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, 32, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    with caplog.at_level("WARNING", logger="cai.kernels._fp8"):
+        y = _fp8.fp8_linear(x, w)
+        y.float().square().sum().backward()
+    assert calls == ["_forward_body"] and _fp8._compile_failed
+    assert "running them eagerly" in caplog.text
+    _fp8._cache.clear()
+    x2 = x.detach().reshape(-1, 32)
+    assert torch.equal(y.reshape(-1, 16), fp8_matmul(x2, w.detach(), torch.bfloat16))
+    dy = 2 * y.detach().float().to(torch.bfloat16).reshape(-1, 16)
+    assert torch.equal(w.grad, fp8_matmul(dy.t(), x2.t(), torch.bfloat16, a_dtype=GRAD_DTYPE))

@@ -152,8 +152,8 @@ def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear():
         fp8_matmul(dy2.t(), x2.t(), torch.bfloat16, a_dtype=_fp8.GRAD_DTYPE),
     ]
     compiled = [
-        _fp8._compiled(_fp8._forward_body)(*_fp8._graph_inputs(x2, lin.weight)),
-        *_fp8._compiled(_fp8._backward_body)(*_fp8._graph_inputs(dy2, x2, lin.weight)),
+        _fp8._in_graph(_fp8._forward_body, x2, lin.weight),
+        *_fp8._in_graph(_fp8._backward_body, dy2, x2, lin.weight),
     ]
     for got, want in zip(compiled, eager, strict=True):
         assert rel_err(got, want) < 1e-3

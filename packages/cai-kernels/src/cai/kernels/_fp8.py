@@ -9,8 +9,8 @@ e5m2's range (torchao's row-wise recipe does the same). On a 1B model trained 30
 final loss was 0.0015 with e4m3 gradients and 0.0027 with e5m2, against 0.0008 in bf16 (one seed each). On a CUDA
 device of compute capability 8.9 or more the bf16 products are ``torch._scaled_mm`` with row-wise scales; elsewhere
 the same quantised operands are dequantised and multiplied in fp32 (the emulation the CPU tests check against),
-which gives the same values up to the order of accumulation. The parameters stay in their dtype (the optimizer's master copy is untouched): only the
-matmul inputs are quantised, each time.
+which gives the same values up to the order of accumulation. The parameters stay in their dtype (the optimizer's
+master copy is untouched): only the matmul inputs are quantised, each time.
 
 Projections that read the same input (q, k and v; gate and up) would quantise it once each, in forward and again
 (transposed) for their weight gradients. The last few quantisations of activations are kept, keyed by the storage's
@@ -29,14 +29,16 @@ forward and the backward of a linear are instead each one ``torch.compile``d fun
 Python call per direction. The graphs are static, one per shape (tokens x in x out; a decoder has four or five
 projection shapes): marking the token count dynamic cost both host and GPU time (1.65 against 0.90 ms of host time
 and 1.54 against 1.11 ms in all for a 4096 x 4096 x 4096 linear). The first ``_MAX_GRAPH_SHAPES`` shapes get
-graphs and later ones take the eager path, so batches of many lengths do not recompile without end. The bodies
-quantise every operand themselves (the cache above serves the eager path only). Host time per linear on an H200
-host drops from about 1.36 ms to 0.9-1.1 ms this way, still four to five times the bf16 linear's.
+graphs and later ones take the eager path, so batches of many lengths do not recompile without end; where
+compiling fails (no Triton or C compiler for Inductor), one warning is logged and every linear runs eagerly. The
+bodies quantise every operand themselves (the cache above serves the eager path only). Host time per linear on an
+H200 host drops from about 1.36 ms to 0.9-1.1 ms this way, still four to five times the bf16 linear's.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 
 import torch
@@ -46,6 +48,8 @@ from torch import nn
 from cai.kernels._dispatch import use_triton
 
 __all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear", "fp8_matmul", "quantize_rowwise"]
+
+logger = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -196,12 +200,21 @@ def _compiled(body):
     return torch.compile(body, dynamic=False, fullgraph=True)
 
 
-def _graph_inputs(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    # detached: the bodies are the autograd function's insides, and an input that requires grad would have dynamo
-    # trace a backward of _scaled_mm, which has none
-    return [t.detach() for t in tensors]
+def _in_graph(body, *tensors: torch.Tensor):
+    """``body(*tensors)`` through its compiled graph, or None once compiling has failed here (no Triton for
+    Inductor, no compiler): the caller then takes the eager path, which computes the same values."""
+    global _compile_failed
+    try:
+        # detached: the bodies are the autograd function's insides, and an input that requires grad would have
+        # dynamo trace a backward of _scaled_mm, which has none
+        return _compiled(body)(*(t.detach() for t in tensors))
+    except torch._dynamo.exc.TorchDynamoException as e:
+        _compile_failed = True
+        logger.warning("cai-kernels FP8: compiling the linear layers failed, running them eagerly (%s)", e)
+        return None
 
 
+_compile_failed = False
 _MAX_GRAPH_SHAPES = 6  # below dynamo's recompile limit (8 graphs a function), with room for stride variants
 _graph_shapes: set[tuple[int, int, int]] = set()
 
@@ -220,7 +233,8 @@ def _whole_body(x2: torch.Tensor, weight: torch.Tensor) -> bool:
     ``_scaled_mm``, so bf16 operands and every dimension a multiple of 16 (the tokens too: the weight gradient
     reduces over them)."""
     return (
-        _scaled_mm_ok(x2)
+        not _compile_failed
+        and _scaled_mm_ok(x2)
         and x2.dtype == weight.dtype == torch.bfloat16
         and x2.shape[0] % 16 == 0
         and x2.shape[1] % 16 == 0
@@ -234,9 +248,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if _whole_body(x2, weight):
-            y = _compiled(_forward_body)(*_graph_inputs(x2, weight))
-        else:
+        y = _in_graph(_forward_body, x2, weight) if _whole_body(x2, weight) else None
+        if y is None:
             y = fp8_matmul(x2, weight, out_dtype=x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -249,8 +262,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if _whole_body(x2, weight) and dy2.dtype == torch.bfloat16:
-            dx, dw = _compiled(_backward_body)(*_graph_inputs(dy2, x2, weight))
+        graph = _whole_body(x2, weight) and dy2.dtype == torch.bfloat16
+        grads = _in_graph(_backward_body, dy2, x2, weight) if graph else None
+        if grads is not None:
+            dx, dw = grads
         else:
             # dx = dy @ W: reduce over out_features, so W's columns are the rows to scale
             # (transposed views: the quantiser reads them in place and writes row-major FP8)
