@@ -30,9 +30,10 @@ Python call per direction. The graphs are static, one per shape (tokens x in x o
 projection shapes): marking the token count dynamic cost both host and GPU time (1.65 against 0.90 ms of host time
 and 1.54 against 1.11 ms in all for a 4096 x 4096 x 4096 linear). The first ``_MAX_GRAPH_SHAPES`` shapes get
 graphs and later ones take the eager path, so batches of many lengths do not recompile without end; where
-compiling fails (no Triton or C compiler for Inductor), one warning is logged and every linear runs eagerly. The
-bodies quantise every operand themselves (the cache above serves the eager path only). Host time per linear on an
-H200 host drops from about 1.36 ms to 0.9-1.1 ms this way, still four to five times the bf16 linear's.
+compiling fails (no Triton or C compiler for Inductor), one warning is logged and every linear runs eagerly; in a
+model that its caller compiles whole, the bodies join the caller's graph. The bodies quantise every operand
+themselves (the cache above serves the eager path only). Host time per linear on an H200 host drops from about
+1.36 ms to 0.9-1.1 ms this way, still four to five times the bf16 linear's.
 """
 
 from __future__ import annotations
@@ -204,6 +205,8 @@ def _in_graph(body, *tensors: torch.Tensor):
     """``body(*tensors)`` through its compiled graph, or None once compiling has failed here (no Triton for
     Inductor, no compiler): the caller then takes the eager path, which computes the same values."""
     global _compile_failed
+    if torch.compiler.is_compiling():  # inside the caller's own torch.compile: its graph takes the body in
+        return body(*tensors)
     try:
         # detached: the bodies are the autograd function's insides, and an input that requires grad would have
         # dynamo trace a backward of _scaled_mm, which has none
