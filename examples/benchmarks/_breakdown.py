@@ -4,10 +4,10 @@ the buckets of a step profile: matmul, attention, fused Triton kernels, optimize
 
 Buckets are read from the names: cuBLAS / CUTLASS GEMMs and ``aten::mm``-like operators are matmuls; flash, fused
 multi-head and SDPA kernels attention; NCCL or gloo collectives communication; Adam kernels and cai's host Adam the
-optimizer; other Triton kernels (cai-kernels' norms, SwiGLU, rotary, fused loss, or torch.compile's) the fused
-kernels. Idle is the step's wall time less the device's busy time (kernels on all streams summed, communication
-left out, since it runs beside compute); on the CPU every operator is host time, and idle is what no operator
-covers (Python, the launcher).
+optimizer; Triton kernels (cai-kernels' norms, SwiGLU, rotary, fused loss and FP8 quantisers by their names, and
+torch.compile's) the fused kernels. Idle is the step's wall time less the device's busy time (kernels on all
+streams summed, communication left out, since it runs beside compute); on the CPU every operator is host time, and
+idle is what no operator covers (Python, the launcher).
 """
 
 from __future__ import annotations
@@ -23,15 +23,22 @@ BUCKETS = ("matmul", "attention", "fused kernels", "optimizer", "communication",
 _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl", "gloo", "c10d::", "all_reduce", "allreduce", "all_gather", "reduce_scatter")),
     ("optimizer", ("adam", "multi_tensor_apply", "_foreach_")),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")),
-    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk", "scaled_mm", "f8f8bf16", "aten::mm",
+    ("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot_product", "combine_splits_kernel")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk", "scaled_mm", "f8f8bf16", "grouped_mm", "aten::mm",
                 "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear")),
     ("copies", ("memcpy", "memset", "aten::copy_", "aten::to", "aten::_to_copy")),
     ("fused kernels", ("triton",)),
 )  # fmt: skip
+# cai-kernels' Triton kernels appear under their function names alone
+_CAI_FUSED = {"_norm_fwd_kernel", "_norm_bwd_kernel", "swiglu_fwd_kernel", "swiglu_bwd_kernel",
+              "swiglu_packed_fwd_kernel", "rope", "rope_kv_write_kernel", "kv_write_kernel", "ce_stats_kernel",
+              "ce_grad_kernel", "quantize_rows_kernel", "quantize_split_kernel", "row_amax_kernel"}  # fmt: skip
 
 
 def bucket(name: str) -> str:
+    # Inductor's kernels are named after the ops they fuse (a quantisation feeding _scaled_mm carries its name)
+    if name.startswith("triton_") or name in _CAI_FUSED:
+        return "fused kernels"
     low = name.lower()
     for label, keys in _RULES:
         if any(k in low for k in keys):
