@@ -108,9 +108,11 @@ def test_patched_tiny_llama_bf16_matches_unpatched(monkeypatch):
         assert rel_err(p.grad, ref_params[name].grad) < 0.1, name
 
 
-def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear():
-    from cai.kernels import Fp8Linear, fp8_matmul, quantize_rowwise
+def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear(monkeypatch):
+    from cai.kernels import Fp8Linear, _fp8, fp8_matmul, quantize_rowwise
     from cai.kernels._fp8 import _quantize_rowwise_torch
+
+    monkeypatch.setattr(_fp8, "_graph_shapes", set())  # earlier tests in the process may have taken the six
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability 8.9")
@@ -141,9 +143,7 @@ def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear():
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.1
     # that linear ran as two compiled bodies ([Note: fp8 host time]); the eager path (Triton quantiser, the same
     # _scaled_mm calls) gives the same products
-    from cai.kernels import _fp8
-
-    assert _fp8._compiled.cache_info().currsize == 2
+    assert _fp8._graph_shapes == {(256, 512, 384)} and not _fp8._compile_failed
     x2, dy2 = x8.detach().reshape(-1, 512), dy.reshape(-1, 384)
     _fp8._cache.clear()
     eager = [
