@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
-from cai.infer import InferenceConfig, InferenceEngine, SamplingParams
+from cai.infer import InferenceEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _infer_common import DTYPES, cai_engine
 from _models import PRESETS, preset_config
 
 
@@ -47,30 +48,22 @@ def main(argv: list[str] | None = None) -> dict:
         "--use-cuda-kernel", choices=("default", "on", "off"), default="default",
         help="InferenceConfig.use_cuda_kernel (default: the config's default)",
     )  # fmt: skip
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="cai's KV pool (default: never preempts)")
     p.add_argument(
         "--profile", action="store_true", help="print kernel tables of one graph and one eager step"
     )
     args = p.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     torch.manual_seed(0)
     config = preset_config(args.config, max_seq=args.max_prompt + args.output_len)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    engine = InferenceEngine(
-        model,
-        None,
-        InferenceConfig(
-            dtype=dtype,
-            max_batch_size=args.max_batch_size,
-            max_input_len=args.max_prompt,
-            max_output_len=args.output_len,
-            enable_prefix_caching=False,
-            ignore_eos=True,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            use_cuda_kernel={"default": None, "on": True, "off": False}[args.use_cuda_kernel],
-        ),
+        model = LlamaForCausalLM(config).to(DTYPES[args.dtype]).eval()
+    engine = cai_engine(
+        model, args, max_input=args.max_prompt, max_output=args.output_len, batch=args.max_batch_size
     )
     runner, graphs = engine.runner, engine.runner.graphs
     times: dict[str, list[float]] = {"graph": [], "eager": []}
