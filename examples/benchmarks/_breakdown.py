@@ -52,13 +52,18 @@ def step_breakdown(
     device: torch.device,
     steps: int = 2,
     top: list | None = None,
+    gaps: list | None = None,
     trace: str | None = None,
 ) -> dict[str, float]:
     """Milliseconds per step in each of ``BUCKETS`` plus ``"idle"`` and ``"step"`` (the wall time), over ``steps``
     profiled steps (run them after warm-up: compilation and allocation would count). ``top``, if given, receives
     the ten largest kernels (operators on the CPU) outside the matmul and attention buckets as ``(ms per step,
-    bucket, name)``: what the step spends besides its products. ``trace``, if given, is a path the profiled steps
-    are written to as a Chrome trace (gzipped when it ends in ``.gz``)."""
+    bucket, name, callers)``: what the step spends besides its products; ``callers`` (GPU only) lists the operator
+    chains that launched the kernel (innermost first, for example ``aten::copy_ < aten::clone <
+    autograd::engine::evaluate_function: ViewBackward0``) with their ms per step, largest first. ``trace``, if given, is a path the profiled steps
+    are written to as a Chrome trace (gzipped when it ends in ``.gz``). ``gaps``, if given (GPU only), receives
+    where the device waited: ``(ms per step, count, chain)`` for the operator chains whose kernels started after
+    the device had been idle for more than 20 us, summed over those waits, largest first."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -73,6 +78,7 @@ def step_breakdown(
     if trace:
         prof.export_chrome_trace(trace)
     per_name: dict[str, float] = {}
+    callers: dict[str, dict[str, float]] = {}
     if cuda:
         # the kernels themselves; not the ranges that record_function (the optimizer's step, compiled regions)
         # mirrors on the device timeline, whose time is their kernels' again
@@ -81,6 +87,13 @@ def step_breakdown(
                 evt, "is_user_annotation", False
             ):
                 per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us()
+        if gaps is not None:
+            gaps.extend(_idle_gaps(prof, steps))
+        for evt in prof.events():  # operators that launched kernels: their chain of enclosing operators
+            for kernel in getattr(evt, "kernels", ()):
+                chain = _chain(evt)
+                by_chain = callers.setdefault(kernel.name, {})
+                by_chain[chain] = by_chain.get(chain, 0.0) + kernel.duration / 1e3 / steps
     else:  # the operators' self time (top-level ones only would miss nested work; self time counts it once)
         for evt in prof.key_averages():
             per_name[evt.key] = float(evt.self_cpu_time_total)
@@ -90,13 +103,49 @@ def step_breakdown(
         label = bucket(name)
         out[label] += us / 1e3 / steps
         if us > 0 and label not in ("matmul", "attention"):
-            rest.append((us / 1e3 / steps, label, name))
+            ranked = sorted(callers.get(name, {}).items(), key=lambda kv: -kv[1])[:3]
+            rest.append((us / 1e3 / steps, label, name, ranked))
     if top is not None:
         top.extend(sorted(rest, reverse=True)[:10])
     busy = sum(v for k, v in out.items() if k != "communication")
     out["idle"] = max(0.0, wall_ms - busy)
     out["step"] = wall_ms
     return out
+
+
+def _idle_gaps(prof, steps: int, min_us: float = 20.0) -> list[tuple[float, int, str]]:
+    # the raw kineto events: a kernel's launching operator is the CPU event whose correlation id it links to
+    raw = prof.profiler.kineto_results.events()
+    cpu = {e.id: e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
+    kernels = sorted(
+        (
+            (e.start_ns() / 1e3, e.end_ns() / 1e3, e.name(), e.linked_correlation_id())
+            for e in raw
+            if e.device_type() == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", lambda: False)()
+        ),
+        key=lambda k: k[0],
+    )
+    waits: dict[str, list] = {}
+    busy_until = None
+    for start, end, name, corr in kernels:
+        if busy_until is not None and start - busy_until > min_us:
+            launcher = cpu.get(corr)
+            chain = f"{name[:40]} < {_chain(launcher, depth=3) if launcher is not None else '?'}"
+            entry = waits.setdefault(chain, [0.0, 0])
+            entry[0] += (start - busy_until) / 1e3 / steps
+            entry[1] += 1
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return sorted(((ms, n, chain) for chain, (ms, n) in waits.items()), reverse=True)[:8]
+
+
+def _chain(evt, depth: int = 4) -> str:
+    names = []
+    while evt is not None and len(names) < depth:
+        if not evt.name.startswith("cuda"):  # the runtime's launch calls
+            names.append(evt.name)
+        evt = evt.cpu_parent
+    return " < ".join(names)
 
 
 def table(rows: dict[str, dict[str, float]]) -> str:

@@ -76,7 +76,7 @@ def dense_reference(inp: dict, batch: int, ctx: int) -> tuple[torch.Tensor, torc
 
 def sweep(inp: dict, batch: int, ctx: int) -> list[tuple[float, dict]]:
     base = _auto_splits(inp["query"], batch * KV_HEADS, 1, ctx)
-    splits = sorted({max(1, base // 2), base, min(16, base * 2)})
+    splits = sorted({max(1, base // 2), base, min(16, base * 2), min(16, base * 4)})
     found = []
     for block_n, warps, stages, split in itertools.product((32, 64, 128), (4, 8), (2, 3), splits):
         cfg = dict(block_n=block_n, num_warps=warps, stages=stages, num_splits=split)

@@ -246,6 +246,7 @@ class Row:
     step_s: float = 0.0  # median step time
     breakdown: dict | None = None  # --profile: ms per step by kind of work (_breakdown.py)
     top_kernels: list | None = None  # --profile: the largest kernels besides matmul and attention
+    idle_gaps: list | None = None  # --profile: what the device waited for (the kernels after idle time)
 
 
 def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> float:
@@ -292,12 +293,14 @@ def measure(
         if args.profile:
             from _breakdown import step_breakdown
 
-            row.top_kernels = []
+            row.top_kernels, row.idle_gaps = [], []
             trace = None
             if args.trace:
                 slug = "".join(c if c.isalnum() else "_" for c in workload.name).strip("_")
                 trace = os.path.join(args.trace, f"trace_{slug}.json.gz")
-            row.breakdown = step_breakdown(workload.step, device=device, top=row.top_kernels, trace=trace)
+            row.breakdown = step_breakdown(
+                workload.step, device=device, top=row.top_kernels, gaps=row.idle_gaps, trace=trace
+            )
     except torch.OutOfMemoryError:
         row.status = "OOM"
     except Exception as exc:  # a failing configuration is reported in the table; the others still run
@@ -446,8 +449,16 @@ def main(args: argparse.Namespace) -> None:
             for r in rows:
                 if r.top_kernels:
                     print(f"\nlargest kernels besides matmul and attention, {r.name} (ms per step):")
-                    for ms, label, name in r.top_kernels:
+                    for ms, label, name, callers in r.top_kernels:
                         print(f"  {ms:7.2f}  {label:<14} {name[:110]}")
+                        for chain, chain_ms in callers:
+                            print(f"           {chain_ms:7.2f} from {chain[:200]}")
+                if r.idle_gaps:
+                    print(
+                        f"\nwhere the device waited (gaps over 20 us), {r.name} (ms per step, count, next kernel):"
+                    )
+                    for ms, count, chain in r.idle_gaps:
+                        print(f"  {ms:7.2f} {count:5d}  {chain[:200]}")
         out = os.environ.get("OUT")
         if out:
             ranks = f"_w{world}" if world > 1 else ""

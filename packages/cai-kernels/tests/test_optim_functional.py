@@ -296,3 +296,71 @@ def test_cuda_tensors_use_torch_fused_kernel_and_copy_out(step_on_device):
     torch.cuda.synchronize()
     assert torch.equal(out, pc.cpu().bfloat16())
     _assert_rel_close(pc.cpu(), p, 1e-6, "cuda vs cpu")
+
+
+# ---- the Triton kernel ([Note: device Adam]): run here through the Triton interpreter, on the GPU compiled -------
+
+
+@pytest.fixture
+def triton_adam(monkeypatch, device):
+    """adam_update on `device` through the Triton kernel (forced on CPU, where the interpreter runs it)."""
+    monkeypatch.delenv("CAI_KERNELS_FALLBACK", raising=False)
+    monkeypatch.setenv("CAI_KERNELS_IMPL", "triton")
+    return device
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("step_on_device", [False, True], ids=["host-step", "device-step"])
+def test_triton_kernel_matches_torch_and_writes_the_cast(
+    triton_adam, adamw, grad_dtype, out_dtype, step_on_device
+):
+    from cai.kernels.optim._functional import torch_adam_update
+
+    dev = triton_adam
+    gen = torch.Generator().manual_seed(11)
+    n = 5003  # two programs, the second one partial
+    p0 = torch.randn(n, generator=gen)
+    p, m, v = p0.to(dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    pr, mr, vr = p0.clone(), torch.zeros(n), torch.zeros(n)
+    out = None if out_dtype is None else torch.full((n,), 7.0, dtype=out_dtype, device=dev)
+    step_t = torch.zeros((), device=dev)
+    hyper = dict(lr=1e-2, weight_decay=0.1, adamw_mode=adamw)
+    for step in range(1, 11):
+        g = torch.randn(n, generator=gen).to(grad_dtype)
+        g_dev = g.to(dev)
+        step_t += 1
+        adam_update(p, g_dev, m, v, step=step_t if step_on_device else step, out=out, **hyper)
+        assert torch.equal(g_dev.cpu(), g), "the gradient must not be modified"
+        torch_adam_update([pr], [g], [mr], [vr], [step], beta1=0.9, beta2=0.999, eps=1e-8, bias_correction=True,
+                          **{k: v for k, v in hyper.items()})  # fmt: skip
+        if out is not None:  # the cast of the new fp32 values, rounded to nearest even, in the same pass
+            assert torch.equal(out.cpu(), p.cpu().to(out_dtype)), f"step {step}"
+    for name, got, want in (("param", p, pr), ("exp_avg", m, mr), ("exp_avg_sq", v, vr)):
+        _assert_rel_close(got.cpu(), want, 2e-6, name)
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_triton_kernel_grad_scale_and_early_bias_correction(triton_adam, bias_correction):
+    # The first steps are where 1 - beta2 ** step loses digits if computed naively in fp32 (beta2 = 0.999: about
+    # 1e-4 relative at step 1); the reference is the same update in float64. Parameters start near zero, so that
+    # they are mostly the updates and their relative error is the update's.
+    dev = triton_adam
+    gen = torch.Generator().manual_seed(12)
+    n = 1031
+    p0 = torch.randn(n, generator=gen, dtype=torch.float64) * 1e-4
+    p, m, v = p0.float().to(dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    pr, mr, vr = p0.clone(), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.1
+    for step in range(1, 4):
+        g = torch.randn(n, generator=gen, dtype=torch.float64) * 1024
+        adam_update(p, g.float().to(dev), m, v, step=step, lr=lr, weight_decay=wd, bias_correction=bias_correction,
+                    grad_scale=1024.0)  # fmt: skip
+        gs = g.float().double() / 1024
+        pr.mul_(1 - lr * wd)
+        mr.mul_(b1).add_(gs, alpha=1 - b1)
+        vr.mul_(b2).addcmul_(gs, gs, value=1 - b2)
+        bc1, bc2 = (1 - b1**step, 1 - b2**step) if bias_correction else (1.0, 1.0)
+        pr.addcdiv_(mr, (vr.sqrt() / bc2**0.5).add_(eps), value=-lr / bc1)
+        _assert_rel_close(p.cpu().double(), pr, 1e-6, f"step {step}")

@@ -350,3 +350,28 @@ def test_optimizer_is_freed_with_its_last_reference_and_unhooks_the_model() -> N
     assert [r() for r in refs] == [None, None]  # the parameters' hooks did not keep it alive
     TinyTransformer.loss(model(ids), labels).backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # plain autograd again
+
+
+def test_cai_adam_step_keeps_the_wrapped_step_s_hooks_and_lr_scheduler() -> None:
+    """A cai.kernels Adam is stepped bucket by bucket, not through its step(); that step still runs (with no
+    gradient) so that step hooks fire once per step and an LR scheduler sees the optimizer step before its own."""
+    import warnings
+
+    from cai.kernels.optim import HybridAdam
+
+    model = _mlp()
+    adam = HybridAdam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(adam, lambda step: 0.5**step)
+    calls = []
+    adam.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt = ZeroOptimizer(adam, model=model, config=ZeroConfig(bucket_size_mb=64 * 4 / 2**20))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when the scheduler steps before the optimizer
+        for _ in range(3):
+            opt.backward(model(torch.randn(6, 8)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+    assert calls == ["pre"] * 3
+    assert adam.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+    assert {float(adam.state[b.master]["step"]) for b in opt.buckets} == {3.0}

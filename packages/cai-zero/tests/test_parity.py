@@ -28,7 +28,9 @@ EPS = 1e-4
 class Case:
     dp: int
     stage: int
-    mode: str = "plain"  # plain | accum | clip | offload | offload_overlap | overlap_allgather | tied
+    # plain | accum | clip | offload | offload_overlap | overlap_allgather | tied | cai_adam | cai_adam_triton
+    # (cai_adam: cai.kernels' Adam, stepped bucket by bucket with the cast fused; _triton: through its Triton kernel)
+    mode: str = "plain"
     steps: int = 10
 
     @property
@@ -53,7 +55,7 @@ class Case:
         return model
 
     def optimizer(self, params) -> torch.optim.Optimizer:
-        if self.mode.startswith("offload"):
+        if self.mode.startswith(("offload", "cai_adam")):
             return CPUAdam(params, lr=LR, eps=EPS, weight_decay=0.01)
         return torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.01)
 
@@ -214,11 +216,16 @@ CASES = (
         Case(dp=4, stage=1, mode="offload_overlap"),
     ]
     + [Case(dp=2, stage=0, mode=mode) for mode in ("plain", "accum", "clip", "offload")]
+    + [Case(dp=2, stage=2, mode="cai_adam"), Case(dp=2, stage=0, mode="cai_adam")]
+    + [Case(dp=1, stage=2, mode="cai_adam_triton"), Case(dp=2, stage=1, mode="cai_adam_triton")]
 )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_matches_single_process_reference(case: Case) -> None:
+def test_matches_single_process_reference(case: Case, monkeypatch) -> None:
+    if case.mode == "cai_adam_triton":  # the kernel the GPU runs, here through the Triton interpreter
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("CAI_KERNELS_IMPL", "triton")
     results = run_distributed(train_sharded, case.dp, case)
     ref = train_reference(case)
     if case.dp > 1 and case.stage > 0:

@@ -186,11 +186,13 @@ def _paged_attention_torch(
 
 def _auto_splits(query: torch.Tensor, programs: int, max_q: int, max_ctx: int) -> int:
     # Split-K only pays for decode batches that leave SMs idle (two programs an SM hide each other's load
-    # latency) and have long contexts (>= 128 keys a split).
+    # latency), down to 48 keys a split: on an H200, one sequence of 512-1024 keys over 8 kv heads took 10.6-11.8 us
+    # with 8-16 splits against 12.2-15.5 us with the 4 that 128 keys a split allowed (bench_paged_attention.py
+    # --sweep --shapes 1x512,1x768,1x1024).
     if max_q != 1 or query.device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    want = max(1, min(2 * sms // max(programs, 1), max_ctx // 128, 16))
+    want = max(1, min(2 * sms // max(programs, 1), max_ctx // 48, 16))
     return 1 << (want.bit_length() - 1)  # a power of two: each split count is its own compiled kernel
 
 

@@ -50,6 +50,8 @@ class Bucket:
     working: torch.Tensor | None = None  # (shard * world_size,) working dtype; params are views of it
     master: torch.Tensor | None = None  # (shard,) fp32, on the host with cpu_offload
     grad: torch.Tensor | None = None  # (shard * world_size,) comm dtype, alive while gradients accumulate
+    # slots whose range of ``grad`` holds no gradient yet (copied into, not added to; zeroed if none comes)
+    unwritten: set[int] = field(default_factory=set)
     # this rank's reduced gradient: fp32 next to the master shard, or the host landing buffer with cpu_offload
     # (any dtype; which is why it is not stored as master.grad, whose dtype torch ties to the master's)
     grad_shard: torch.Tensor | None = None

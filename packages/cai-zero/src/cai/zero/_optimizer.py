@@ -12,7 +12,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cai.kernels.optim import DynamicLossScaler, LossScaleConfig, accumulate_grad_shard
+from cai.kernels.optim import (
+    CPUAdam,
+    DynamicLossScaler,
+    FusedAdam,
+    LossScaleConfig,
+    accumulate_grad_shard,
+    adam_state,
+    adam_step,
+    adamw_mode,
+)
 from cai.mesh import (
     LocalShard,
     Read,
@@ -351,8 +360,16 @@ class ZeroOptimizer:
         if p.grad is None:
             return
         if b.grad is None:
-            b.grad = torch.zeros(b.padded, dtype=self.config.comm_dtype or b.dtype, device=self.device)
-        b.grad[slot.offset : slot.offset + slot.numel].add_(p.grad.reshape(-1))
+            # uninitialised: each slot's first gradient is copied in, which costs two thirds of adding it to zeros
+            b.grad = torch.empty(b.padded, dtype=self.config.comm_dtype or b.dtype, device=self.device)
+            b.grad[b.numel :].zero_()
+            b.unwritten = set(range(len(b.slots)))
+        view = b.grad[slot.offset : slot.offset + slot.numel]
+        if slot_index in b.unwritten:
+            view.copy_(p.grad.reshape(-1))
+            b.unwritten.discard(slot_index)
+        else:
+            view.add_(p.grad.reshape(-1))
         p.grad = None
         b.received += 1
         if self._sync:
@@ -382,7 +399,9 @@ class ZeroOptimizer:
         grad = b.grad
         if grad is None:
             grad = torch.zeros(b.padded, dtype=self.config.comm_dtype or b.dtype, device=self.device)
-        b.grad = None
+        for i in b.unwritten:  # parameters that got no gradient
+            grad[b.slots[i].offset : b.slots[i].offset + b.slots[i].numel].zero_()
+        b.grad, b.unwritten = None, set()
         b.reduced_in_window += 1
         stream = self._stream
         if stream is not None:
@@ -469,12 +488,15 @@ class ZeroOptimizer:
                 dist.all_reduce(total, group=group)
             b.grad_shard = total.to(self._master_device)
 
-    def _gather(self, b: Bucket, *, async_op: bool) -> None:
-        """All-gather the updated master shard into the bucket's working buffer (the parameters' storage)."""
+    def _gather(self, b: Bucket, *, async_op: bool, shard: torch.Tensor | None = None) -> None:
+        """All-gather the updated master shard into the bucket's working buffer (the parameters' storage).
+        ``shard``: the update already wrote it in the working dtype (into the working buffer itself at one rank)."""
         if b.world_size == 1 and self._host is None:  # one rank, or stage 0: the master is the whole bucket
-            b.working.copy_(b.master)
+            if shard is None:
+                b.working.copy_(b.master)
             return
-        shard = self._host.device_shard(b) if self._host is not None else b.master.to(dtype=b.dtype)
+        if shard is None:
+            shard = self._host.device_shard(b) if self._host is not None else b.master.to(dtype=b.dtype)
         if b.world_size == 1:
             b.working.copy_(shard)
             return
@@ -496,9 +518,9 @@ class ZeroOptimizer:
                 b.gather_work[0].wait()
                 b.gather_work = []
 
-    def _gather_all(self) -> None:
+    def _gather_all(self, written: Mapping[int, torch.Tensor]) -> None:
         for b in self.buckets:
-            self._gather(b, async_op=self.config.overlap_allgather)
+            self._gather(b, async_op=self.config.overlap_allgather, shard=written.get(b.index))
 
     # ---- step ---------------------------------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
@@ -575,19 +597,25 @@ class ZeroOptimizer:
             # steps and gathers bucket by bucket
             self._host.step(self.buckets, lambda b: self._gather(b, async_op=self.config.overlap_allgather))
         else:
-            self._device_step()
-            self._gather_all()
+            self._gather_all(self._device_step())
         self._step_count += 1
         for b in self.buckets:
             b.grad_shard = None
             b.reduced_in_window = 0
         self._shared_summed = False
 
-    def _device_step(self) -> None:
-        """The wrapped optimizer's step on the master shards. Gradients kept in a lower precision are cast to fp32
-        a window of buckets at a time (one ``optimizer.step()`` per window), so an fp32 copy of every gradient
-        never exists at once; the optimizer updates each parameter once per step either way (elementwise
-        optimizers step exactly the parameters that have a gradient)."""
+    def _device_step(self) -> dict[int, torch.Tensor]:
+        """The wrapped optimizer's step on the master shards; returns the working-dtype shards it wrote, by bucket.
+
+        A cai.kernels Adam (CPUAdam, HybridAdam, FusedAdam) steps bucket by bucket through ``adam_step``, which
+        reads the gradient in the dtype it was reduced in and writes the new values in the working dtype in the
+        same pass (into the working buffer itself at one rank; see [Note: device Adam] in cai-kernels). Other
+        optimizers get fp32 gradients: those kept in a lower precision are cast a window of buckets at a time
+        (one ``optimizer.step()`` per window), so an fp32 copy of every gradient never exists at once; the
+        optimizer updates each parameter once per step either way (elementwise optimizers step exactly the
+        parameters that have a gradient)."""
+        if isinstance(self.optim, (CPUAdam, FusedAdam)):
+            return self._adam_step()
         window: list[Bucket] = []
         cast = 0
         for b in self.buckets:
@@ -601,6 +629,26 @@ class ZeroOptimizer:
                 self._step_window(window)
                 window, cast = [], 0
         self._step_window(window)
+        return {}
+
+    def _adam_step(self) -> dict[int, torch.Tensor]:
+        # The wrapped step first, with no master holding a gradient: it updates nothing, but its hooks and the
+        # counters an LR scheduler put on it see one step.
+        self.optim.step()
+        written = {}
+        for b in self.buckets:
+            if b.grad_shard is None:
+                continue
+            group = self.optim.param_groups[b.group_index]
+            state = adam_state(self.optim, b.master)
+            state["step"] += 1
+            out = b.working[b.lo : b.hi] if b.world_size == 1 else torch.empty_like(b.master, dtype=b.dtype)
+            adam_step(
+                b.master, b.grad_shard, state["exp_avg"], state["exp_avg_sq"], group, step=state["step"],
+                adamw=adamw_mode(self.optim, group), out=out,
+            )  # fmt: skip
+            written[b.index] = out
+        return written
 
     def _step_window(self, window: list[Bucket]) -> None:
         if any(b.master.grad is not None for b in window):

@@ -11,7 +11,7 @@ from cai.kernels.optim._grad import accumulate_grad_shard
 from cai.kernels.optim._host import HostStepper, adam_step, adamw_mode
 from cai.kernels.optim._loader import cpu_adam_status
 from cai.kernels.optim._loss_scale import DynamicLossScaler, LossScaleConfig
-from cai.kernels.optim._optimizers import CPUAdam, FusedAdam, HybridAdam
+from cai.kernels.optim._optimizers import CPUAdam, FusedAdam, HybridAdam, adam_state
 
 __all__ = [
     "CPUAdam",
@@ -21,6 +21,7 @@ __all__ = [
     "HybridAdam",
     "LossScaleConfig",
     "accumulate_grad_shard",
+    "adam_state",
     "adam_step",
     "adam_update",
     "adamw_mode",

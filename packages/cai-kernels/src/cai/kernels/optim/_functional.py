@@ -1,4 +1,16 @@
-"""One Adam/AdamW update of flat tensors: the native CPU kernel, or torch's fused/foreach kernels."""
+"""One Adam/AdamW update of flat tensors: the native CPU kernel, a Triton kernel on the GPU, or torch's fused/foreach
+kernels.
+
+[Note: device Adam]
+A flat fp32 master shard on the GPU with a low-precision gradient took three passes with torch's kernels: the
+gradient cast to fp32 (torch's fused Adam wants one dtype), the fused update, and the cast of the new values into the
+working parameters. The Triton kernel reads the gradient in its own dtype and writes the working-dtype copy (``out``)
+in the same pass: 28 bytes an element for a bf16 gradient and a bf16 copy, where the three passes moved 40. Its
+arithmetic is torch's fused Adam's in fp32, with ``1 - beta`` and ``ln beta`` taken in float64 on the host and the bias
+corrections ``1 - beta ** step`` computed in the kernel (the step may be a device tensor, read without a host sync)
+as ``-expm1(step * ln beta)``: fp32 then keeps their digits at small steps (``1 - fp32(0.999)`` is 1.3e-5 away from
+0.001, relatively). Division and square roots are rounded as IEEE's, as in torch's kernels.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +18,7 @@ import math
 
 import torch
 
+from cai.kernels._dispatch import use_triton
 from cai.kernels.optim._loader import native_adam
 
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -58,8 +71,10 @@ def adam_update(
         num_threads: CPU threads for the native kernel; default torch.get_num_threads().
 
     CPU tensors (fp32, contiguous) use the native kernel from kernels/cpu_adam when it can be built, and
-    torch's fused CPU Adam plus a copy otherwise; CUDA tensors use torch's fused Adam kernels, and a host `out`
-    is then filled by an asynchronous copy on the current stream (synchronize before reading it on the host).
+    torch's fused CPU Adam plus a copy otherwise. CUDA tensors (fp32 contiguous param and moments, contiguous
+    grad, `out` on the same device or None) use one Triton kernel that also writes `out` ([Note: device Adam]);
+    otherwise torch's fused Adam kernels, and a host `out` is then filled by an asynchronous copy on the current
+    stream (synchronize before reading it on the host).
     The native kernel releases the GIL, so it can run on a worker thread while the main thread works.
 
     Example:
@@ -78,6 +93,10 @@ def adam_update(
             f"adam_update: grad dtype {grad.dtype} / out dtype {None if out is None else out.dtype} not supported; "
             "use float32, bfloat16 or float16"
         )
+    if _triton_eligible(param, grad, exp_avg, exp_avg_sq, out):
+        _triton_update(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,
+                       adamw_mode, bias_correction, grad_scale)  # fmt: skip
+        return
     if param.device.type == "cpu" and param.is_contiguous() and not grad.is_contiguous():
         grad = grad.contiguous()  # one copy, then the native kernel, rather than the slower torch path
     if param.device.type == "cpu" and _native_eligible(param, grad, exp_avg, exp_avg_sq, out):
@@ -94,6 +113,38 @@ def adam_update(
         )  # fmt: skip
         if out is not None:
             out.view(param.shape).copy_(param, non_blocking=out.device != param.device)
+
+
+def _triton_eligible(param, grad, exp_avg, exp_avg_sq, out) -> bool:
+    tensors = [param, grad, exp_avg, exp_avg_sq] + ([out] if out is not None else [])
+    return (
+        param.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32
+        and all(t.device == param.device and t.is_contiguous() for t in tensors)
+        and param.numel() > 0
+        and use_triton(param)  # CUDA; CPU only where the Triton interpreter is forced (tests)
+    )
+
+
+def _triton_update(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+                   bias_correction, grad_scale) -> None:  # fmt: skip
+    import triton
+
+    from cai.kernels.optim._adam_triton import adam_kernel
+
+    on_device = isinstance(step, torch.Tensor) and step.device == param.device
+    step_value = 0.0 if on_device else _scalar_step(step)
+    n, block = param.numel(), 4096
+    adam_kernel[(triton.cdiv(n, block),)](
+        param, grad, exp_avg, exp_avg_sq, param if out is None else out, step if on_device else param, n,
+        step_value, lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2), eps, weight_decay,
+        1.0 if grad_scale is None else 1.0 / grad_scale,
+        ADAMW=adamw_mode, BIAS_CORRECTION=bias_correction, STEP_ON_DEVICE=on_device, HAS_OUT=out is not None,
+        BLOCK=block, num_warps=8,
+    )  # fmt: skip
+
+
+def _log(beta: float) -> float:
+    return math.log(beta) if beta > 0 else -math.inf
 
 
 def _native_eligible(param, grad, exp_avg, exp_avg_sq, out) -> bool:

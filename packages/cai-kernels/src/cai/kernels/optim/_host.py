@@ -42,7 +42,7 @@ def adam_step(
     exp_avg_sq: torch.Tensor,
     group: Mapping[str, Any],
     *,
-    step: int | float,
+    step: int | float | torch.Tensor,
     adamw: bool,
     out: torch.Tensor | None = None,
     num_threads: int | None = None,

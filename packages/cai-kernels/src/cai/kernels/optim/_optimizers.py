@@ -31,6 +31,23 @@ def _check_hyperparameters(lr, betas, eps, weight_decay, nvme_offload_fraction=0
         raise ValueError("maximize=True is not supported by cai's Adam kernels; negate the loss instead")
 
 
+def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
+    """``optimizer.state[p]`` in torch Adam's layout, created zeroed on first use: ``step`` a 0-d float32 tensor (on
+    the parameter's device for CUDA parameters, as torch's fused Adam keeps it; on the host otherwise),
+    ``exp_avg`` and ``exp_avg_sq`` shaped and typed like ``p``. A loaded ``step`` is moved to that device."""
+    state = optimizer.state[p]
+    step_device = p.device if p.device.type == "cuda" else torch.device("cpu")
+    if not state:
+        # Moments in the parameter's dtype, as torch does (fp32 for fp32 master weights, the case the native
+        # kernel serves; bf16/fp16 parameters go through torch's kernels).
+        state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    elif state["step"].device != step_device or state["step"].dtype != torch.float32:
+        state["step"] = state["step"].to(device=step_device, dtype=torch.float32)
+    return state
+
+
 class _Adam(torch.optim.Optimizer):
     """Shared implementation. State per parameter uses torch Adam's names: `step` (0-d float32 tensor, on the
     parameter's device for CUDA parameters as in torch's fused Adam), `exp_avg`, `exp_avg_sq`."""
@@ -67,17 +84,7 @@ class _Adam(torch.optim.Optimizer):
                                    amsgrad=group.get("amsgrad", False), maximize=group.get("maximize", False))  # fmt: skip
 
     def _state_for(self, p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        step_device = p.device if p.device.type == "cuda" else torch.device("cpu")
-        if not state:
-            # Moments in the parameter's dtype, as torch does (fp32 for fp32 master weights, the case the
-            # native kernel serves; bf16/fp16 parameters go through torch's kernels).
-            state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        elif state["step"].device != step_device or state["step"].dtype != torch.float32:
-            state["step"] = state["step"].to(device=step_device, dtype=torch.float32)
-        return state
+        return adam_state(self, p)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, div_scale: float = -1.0) -> float | None:
