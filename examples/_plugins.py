@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 PLUGINS = ("ddp", "fsdp", "zero1", "zero2", "gemini", "hybrid")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -149,16 +151,17 @@ class PluginChoice:
     offload_param_frac: float = 0.0
     hybrid: HybridLayout | None = None  # --plugin hybrid's sizes (default: tp 1, pp 1, ZeRO-1)
     use_fp8: bool = False  # FP8 linear layers (LowLevelZero, Gemini and HybridParallel)
+    options: Mapping[str, Any] = field(default_factory=dict)  # more keyword arguments for the plugin
 
     def __post_init__(self) -> None:
         if self.name not in PLUGINS:
             raise ValueError(f"--plugin {self.name!r} is not one of {', '.join(PLUGINS)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        for field in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
-            value = getattr(self, field)
+        for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
+            value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"--{field.replace('_', '-')} {value} must be in [0, 1]")
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be in [0, 1]")
         offloads = self.offload_optim_frac > 0 or self.offload_param_frac > 0 or self.shard_param_frac < 1
         if offloads and self.name != "gemini":
             raise ValueError(
@@ -184,13 +187,17 @@ class PluginChoice:
 
     @property
     def label(self) -> str:
-        return {
-            "ddp": "TorchDDP",
-            "fsdp": "TorchFSDP",
-            "zero1": "LowLevelZero-1",
-            "zero2": "LowLevelZero-2",
-            "hybrid": f"HybridParallel {self.hybrid.describe()}" if self.hybrid else "HybridParallel",
-        }.get(self.name, "Gemini") + (" FP8" if self.use_fp8 else "")
+        return (
+            {
+                "ddp": "TorchDDP",
+                "fsdp": "TorchFSDP",
+                "zero1": "LowLevelZero-1",
+                "zero2": "LowLevelZero-2",
+                "hybrid": f"HybridParallel {self.hybrid.describe()}" if self.hybrid else "HybridParallel",
+            }.get(self.name, "Gemini")
+            + (" FP8" if self.use_fp8 else "")
+            + "".join(f", {k}={v}" for k, v in self.options.items())
+        )
 
 
 def make_booster(choice: PluginChoice):
@@ -201,10 +208,12 @@ def make_booster(choice: PluginChoice):
     if choice.name == "ddp":
         # TorchDDP does not own precision: the Booster's mixed precision casts for it.
         mixed = None if choice.precision == "fp32" else choice.precision
-        return Booster(plugin=plugins.TorchDDPPlugin(), mixed_precision=mixed)
+        return Booster(plugin=plugins.TorchDDPPlugin(**choice.options), mixed_precision=mixed)
     if choice.name == "fsdp":
         return Booster(
-            plugin=plugins.TorchFSDPPlugin(precision=choice.precision, cpu_offload=choice.cpu_offload)
+            plugin=plugins.TorchFSDPPlugin(
+                precision=choice.precision, cpu_offload=choice.cpu_offload, **choice.options
+            )
         )
     if choice.name in ("zero1", "zero2"):
         plugin = plugins.LowLevelZeroPlugin(
@@ -213,6 +222,7 @@ def make_booster(choice: PluginChoice):
             max_norm=choice.max_norm,
             cpu_offload=choice.cpu_offload,
             use_fp8=choice.use_fp8,
+            **choice.options,
         )
         return Booster(plugin=plugin)
     if choice.name == "hybrid":
@@ -230,6 +240,7 @@ def make_booster(choice: PluginChoice):
             make_vocab_size_divisible_by=h.vocab_multiple,
             **({"num_microbatches": h.num_microbatches} if h.num_microbatches else {}),
             **({"microbatch_size": h.microbatch_size} if h.microbatch_size else {}),
+            **choice.options,
         )
         return Booster(plugin=plugin)
     plugin = plugins.GeminiPlugin(
@@ -239,5 +250,6 @@ def make_booster(choice: PluginChoice):
         offload_optim_frac=choice.offload_optim_frac,
         offload_param_frac=choice.offload_param_frac,
         use_fp8=choice.use_fp8,
+        **choice.options,
     )  # host optimizer chunks update during backward by default wherever that is exact
     return Booster(plugin=plugin)

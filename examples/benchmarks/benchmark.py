@@ -144,6 +144,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="zero1/zero2/gemini: also time each such plugin with use_fp8=True (FP8 linear layers), one row more each",
     )
     p.add_argument("--cpu-offload", action="store_true", help="optimizer offload (zero1/zero2/fsdp)")
+    p.add_argument(
+        "--plugin-options",
+        type=json.loads,
+        default={},
+        help="more keyword arguments for cai's plugin, as a JSON object, e.g. '{\"max_prefetch\": 2}'",
+    )
     p.add_argument("--shard-param-frac", "--shard_param_frac", type=float, default=1.0, help="Gemini")
     p.add_argument("--offload-optim-frac", "--offload_optim_frac", type=float, default=0.0, help="Gemini")
     p.add_argument("--offload-param-frac", "--offload_param_frac", type=float, default=0.0, help="Gemini")
@@ -180,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.layout = hybrid_layout(args)
     except ValueError as e:
         p.error(str(e))
+    if not isinstance(args.plugin_options, dict):
+        p.error(f"--plugin-options {args.plugin_options!r}: give a JSON object of keyword arguments")
     args.peers = [x for x in args.peers.split(",") if x]
     unknown = sorted(set(args.peers) - set(PEERS))
     if unknown:
@@ -366,6 +374,7 @@ def main(args: argparse.Namespace) -> None:
         PluginChoice(
             name=name, precision=precision, cpu_offload=args.cpu_offload and name in ("zero1", "zero2", "fsdp"),
             **(gemini_fracs if name == "gemini" else {}), **({"hybrid": args.layout} if name == "hybrid" else {}),
+            options=args.plugin_options,
         )
         for name in args.plugins
     ]  # fmt: skip

@@ -355,3 +355,23 @@ def test_offload_copies_back_ahead_of_backward(monkeypatch) -> None:
             # j's copy back starts after block ahead + 1's backward is done and before block ahead's begins
             assert back[j] < first_unpack[ahead], (prefetch, j, events)
             assert ahead == 3 or back[j] > last_unpack[ahead + 1], (prefetch, j, events)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_policies_keep_the_gradients_of_a_model_with_cai_kernels(policy: str, monkeypatch) -> None:
+    # cai-kernels' Triton functions (norms, rotary, the gate/up/SwiGLU function, the fused loss) recomputed under
+    # the checkpoint; here through the Triton interpreter
+    from cai.kernels import patch_hf_model
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("CAI_KERNELS_IMPL", "triton")
+    base = patch_hf_model(_llama(layers=2))
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(2))
+    ref_loss, ref_grads, _, ref_mm = _run(copy.deepcopy(base), ids)
+    model = copy.deepcopy(base)
+    activation_checkpointing(model, policy)
+    loss, grads, _, mm = _run(model, ids)
+    assert loss == ref_loss
+    for name, g in grads.items():
+        assert_close(g, ref_grads[name], rtol=1e-6, atol=1e-7, name=f"{policy} grad {name}")
+    assert mm == ref_mm + (2 * 6 if policy == "full" else 0)

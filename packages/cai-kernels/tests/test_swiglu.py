@@ -58,3 +58,28 @@ def test_mlp_takes_over_linears(impl, device):
 def test_mismatched_inputs_are_rejected():
     with pytest.raises(ValueError, match="must match"):
         swiglu(torch.randn(2, 3), torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mlp_gate_up_function_matches_float64(dtype, impl, device):
+    # Bias-free Linear layers take one function for both projections and the SwiGLU on the Triton path (the input's
+    # gradient is one matmul accumulated into the other); the torch path runs the modules. Both against float64.
+    g = torch.Generator().manual_seed(3)
+    gate, up, down = (torch.nn.Linear(i, o, bias=False) for i, o in ((32, 48), (32, 48), (48, 32)))
+    for lin in (gate, up, down):
+        lin.weight.data = (torch.randn(lin.weight.shape, generator=g) / 5).to(dtype)
+    mlp = SwiGLUMLP(gate, up, down).to(device)
+    ref = {n: p.detach().double().cpu().requires_grad_() for n, p in mlp.named_parameters()}
+    x = torch.randn(2, 5, 32, generator=g).to(dtype)
+    dy = torch.randn(2, 5, 32, generator=g).to(dtype)
+    xa, xr = x.clone().to(device).requires_grad_(), x.double().requires_grad_()
+    y = mlp(xa)
+    y.backward(dy.to(device))
+    yr = F.silu(xr @ ref["gate_proj.weight"].T) * (xr @ ref["up_proj.weight"].T) @ ref["down_proj.weight"].T
+    yr.backward(dy.double())
+    pairs = [("y", y, yr), ("dx", xa.grad, xr.grad)] + [
+        (f"d{n}", p.grad, ref[n].grad) for n, p in mlp.named_parameters()
+    ]
+    for name, got, want in pairs:
+        err = (got.double().cpu() - want).abs().max().item()
+        assert err <= TOL[dtype] * want.abs().max().item(), f"{name}: {err}"

@@ -13,40 +13,75 @@ from cai.kernels._tune import pick
 _CANDIDATES = [(4096, 8), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (8192, 8), (8192, 16)]
 
 
+def _swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    import triton
+
+    from cai.kernels._swiglu_triton import swiglu_fwd_kernel as fwd
+
+    c = torch.empty_like(a)
+    n = a.numel()
+
+    def run(cfg):
+        fwd[(triton.cdiv(n, cfg[0]),)](a, b, c, n, BLOCK=cfg[0], num_warps=cfg[1])
+
+    run(pick(("swiglu_fwd", a.dtype, n >= 2**20), lambda: _CANDIDATES, run, a.device))
+    return c
+
+
+def _swiglu_bwd(a: torch.Tensor, b: torch.Tensor, dc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    import triton
+
+    from cai.kernels._swiglu_triton import swiglu_bwd_kernel as bwd
+
+    dc = dc.contiguous()
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    n = a.numel()
+
+    def run(cfg):
+        bwd[(triton.cdiv(n, cfg[0]),)](a, b, dc, da, db, n, BLOCK=cfg[0], num_warps=cfg[1])
+
+    run(pick(("swiglu_bwd", a.dtype, dc.dtype, n >= 2**20), lambda: _CANDIDATES, run, a.device))
+    return da, db
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        import triton
-
-        from cai.kernels._swiglu_triton import swiglu_fwd_kernel as fwd
-
         a, b = gate.contiguous(), up.contiguous()
-        c = torch.empty_like(a)
-        n = a.numel()
-
-        def run(cfg):
-            fwd[(triton.cdiv(n, cfg[0]),)](a, b, c, n, BLOCK=cfg[0], num_warps=cfg[1])
-
-        run(pick(("swiglu_fwd", a.dtype, n >= 2**20), lambda: _CANDIDATES, run, a.device))
         ctx.save_for_backward(a, b)
-        return c
+        return _swiglu_fwd(a, b)
 
     @staticmethod
     def backward(ctx, dc):
-        import triton
-
-        from cai.kernels._swiglu_triton import swiglu_bwd_kernel as bwd
-
         a, b = ctx.saved_tensors
-        dc = dc.contiguous()
-        da, db = torch.empty_like(a), torch.empty_like(b)
-        n = a.numel()
+        return _swiglu_bwd(a, b, dc)
 
-        def run(cfg):
-            bwd[(triton.cdiv(n, cfg[0]),)](a, b, dc, da, db, n, BLOCK=cfg[0], num_warps=cfg[1])
 
-        run(pick(("swiglu_bwd", a.dtype, dc.dtype, n >= 2**20), lambda: _CANDIDATES, run, a.device))
-        return da, db
+class _GateUpFunction(torch.autograd.Function):
+    """``swiglu(x @ w_gate.T, x @ w_up.T)`` with one gradient for ``x``: ``dx = dg @ w_gate + du @ w_up``, the second
+    product accumulated into the first by the matmul (``addmm_``), where autograd would add the two products in a
+    separate pass over a tokens x hidden tensor. Saves what the two linears and the SwiGLU saved: x, g, u."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up):
+        x2d = x.reshape(-1, x.shape[-1])
+        g, u = x2d @ w_gate.T, x2d @ w_up.T
+        ctx.save_for_backward(x2d, w_gate, w_up, g, u)
+        ctx.shape = x.shape
+        return _swiglu_fwd(g, u).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, dc):
+        x2d, w_gate, w_up, g, u = ctx.saved_tensors
+        dg, du = _swiglu_bwd(g, u, dc.reshape(g.shape))
+        dx = dw_gate = dw_up = None
+        if ctx.needs_input_grad[0]:
+            dx = (dg @ w_gate).addmm_(du, w_up).view(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            dw_gate = dg.T @ x2d
+        if ctx.needs_input_grad[2]:
+            dw_up = du.T @ x2d
+        return dx, dw_gate, dw_up
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -117,4 +152,18 @@ class SwiGLUMLP(nn.Module):
         return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj, self.up_proj
+        # Plain bias-free Linear layers (not FP8, LoRA or tensor-parallel ones) on the Triton path: one function
+        # for both projections and the SwiGLU (see _GateUpFunction).
+        if (
+            type(gate) is nn.Linear
+            and type(up) is nn.Linear
+            and gate.bias is None
+            and up.bias is None
+            and x.numel() > 0
+            and x.dtype == gate.weight.dtype == up.weight.dtype
+            and use_triton(x)
+            and not torch.compiler.is_compiling()
+        ):
+            return self.down_proj(_GateUpFunction.apply(x, gate.weight, up.weight))
+        return self.down_proj(swiglu(gate(x), up(x)))
