@@ -457,10 +457,11 @@ class Chunk:
         event.record()
         return event
 
-    def write_back(self, *, io_written: bool = False, copy_up: Callable[..., Any] | None = None) -> None:
+    def write_back(self, *, written: bool = False, copy_up: Callable[..., Any] | None = None) -> None:
         """Copy the updated fp32 master shard into the working shard; re-gather a kept-gathered chunk.
 
-        ``io_written``: the optimizer already wrote the new working-precision values into ``io``.
+        ``written``: the optimizer already wrote the new working-precision values, into ``io`` (host-resident
+        optimizer) or into the shard itself (device-resident).
         ``copy_up(io, into=shard)``: copy up through a ``HostStepper`` (from its worker, during backward) instead of
         on the current stream; the compute stream must then ``join_up()`` before it reads the shard.
         """
@@ -469,7 +470,7 @@ class Chunk:
             # cast on the host into the pinned buffer, then one asynchronous host-to-device copy
             self.wait_up()
             self.io_has_grad = False
-            if not io_written:
+            if not written:
                 self.io.copy_(self.master)
             if self.shard.device.type != "cuda":
                 self.shard.copy_(self.io)
@@ -480,7 +481,7 @@ class Chunk:
                 self.shard.copy_(self.io, non_blocking=True)
                 self._up = torch.cuda.Event()
                 self._up.record()
-        else:
+        elif not written:
             self.shard.copy_(self.master, non_blocking=True)
         if self.keep_gathered and self.world_size > 1:
             assert self.full is not None

@@ -256,9 +256,8 @@ class GeminiOptimizer(torch.optim.Optimizer):
             if early is not None and early.result():  # updated (and copied up) in the background
                 c.join_up()
                 continue
-            if early is None:
-                self._update_chunk(c, nxt)
-            c.write_back(io_written=c.io is not None and c.index in self._direct)
+            written = self._update_chunk(c, nxt) if early is None else c.index in self._direct
+            c.write_back(written=written)
         self._steps = nxt
         if not self._warm:
             self._warm = True
@@ -272,12 +271,15 @@ class GeminiOptimizer(torch.optim.Optimizer):
     def _next_steps(self) -> list[int]:
         return [s + 1 if segs else s for s, segs in zip(self._steps, self._segments)]
 
-    def _update_chunk(self, c: Chunk, steps: list[int], num_threads: int | None = None) -> None:
-        """Adam on every segment of one chunk's shard, where the chunk's master weights live."""
+    def _update_chunk(self, c: Chunk, steps: list[int], num_threads: int | None = None) -> bool:
+        """Adam on every segment of one chunk's shard, where the chunk's master weights live. Returns whether it
+        also wrote the new working-precision values (into ``io``, or into the device shard itself when the master
+        is on the device: the update's own pass casts them, see [Note: device Adam] in cai-kernels)."""
         g = c.step_grad()
         st = self._state(c)
-        assert c.master is not None
+        assert c.master is not None and c.shard is not None
         direct = c.io is not None and c.index in self._direct
+        in_place = c.io is None and c.shard.device == c.master.device
         if direct:
             c.wait_up()
         for gi, lo, hi in self._by_chunk.get(c.index, ()):
@@ -290,11 +292,13 @@ class GeminiOptimizer(torch.optim.Optimizer):
                 group,
                 step=steps[gi],
                 adamw=adamw_mode(self.optim, group),
-                out=c.io[lo:hi] if direct else None,  # type: ignore[index]  # grad read before param written
+                # io: the gradient is read before the parameter is written
+                out=c.io[lo:hi] if direct else c.shard[lo:hi] if in_place else None,  # type: ignore[index]
                 num_threads=num_threads,
             )
         if direct:
             c.io_has_grad = False  # ``io`` now holds the new parameters, not the gradient
+        return direct or in_place
 
     def _on_reduced(self, c: Chunk) -> None:
         # [Note: overlapped host step] the chunk's gradient is final (one synchronised backward per step, no
@@ -320,7 +324,7 @@ class GeminiOptimizer(torch.optim.Optimizer):
             return False  # re-gathering is a collective: keep those on the main thread, in order
         assert self._stepper is not None
         c.write_back(
-            io_written=c.index in self._direct, copy_up=functools.partial(self._stepper.copy_up, after=after)
+            written=c.index in self._direct, copy_up=functools.partial(self._stepper.copy_up, after=after)
         )
         return True
 
