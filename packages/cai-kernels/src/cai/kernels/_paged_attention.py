@@ -186,9 +186,9 @@ def _paged_attention_torch(
 
 def _auto_splits(query: torch.Tensor, programs: int, max_q: int, max_ctx: int) -> int:
     # Split-K only pays for decode batches that leave SMs idle (two programs an SM hide each other's load
-    # latency), down to 48 keys a split: on an H200, one sequence of 512-1024 keys over 8 kv heads took 10.6-11.8 us
+    # latency), down to 48 keys a split: on an H200, one sequence of 512-1024 keys over 8 kv heads took 10.0-11.9 us
     # with 8-16 splits against 12.2-15.5 us with the 4 that 128 keys a split allowed (bench_paged_attention.py
-    # --sweep --shapes 1x512,1x768,1x1024).
+    # --shapes 1x512,1x768,1x1024; --sweep found the same).
     if max_q != 1 or query.device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count

@@ -109,8 +109,11 @@ class ZeroOptimizer:
         :meth:`clip_grad_norm` rather than ``torch.nn.utils.clip_grad_norm_``.
         One reduction's gradient shard stays in the dtype it was reduced in (bf16 for bf16 parameters unless
         ``comm_dtype=torch.float32``): its values exactly, at half the memory of fp32. A second micro-step sums in
-        fp32. ``step()`` then casts the gradients to fp32 about 1 GiB at a time and calls the wrapped optimizer's
-        ``step()`` once per such window (each parameter is still updated once; step hooks run per window).
+        fp32. With a cai.kernels Adam (CPUAdam, HybridAdam, FusedAdam) ``step()`` updates bucket by bucket with
+        ``adam_step``, which reads that gradient as it is and writes the working parameters in the same pass (the
+        wrapped ``step()`` still runs once, with no gradients, for its hooks and LR schedulers). Other optimizers
+        get fp32 gradients, cast about 1 GiB at a time, with their ``step()`` called once per such window (each
+        parameter is still updated once; step hooks run per window).
     """
 
     def __init__(
