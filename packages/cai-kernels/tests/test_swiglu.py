@@ -83,3 +83,16 @@ def test_mlp_gate_up_function_matches_float64(dtype, impl, device):
     for name, got, want in pairs:
         err = (got.double().cpu() - want).abs().max().item()
         assert err <= TOL[dtype] * want.abs().max().item(), f"{name}: {err}"
+
+
+def test_mlp_runs_hooked_projections_as_modules(impl, device):
+    # a module hook on a projection (Gemini gathers a chunk in one) must run: such an MLP takes the modules' path
+    gate, up, down = (
+        torch.nn.Linear(i, o, bias=False, device=device) for i, o in ((8, 12), (8, 12), (12, 8))
+    )
+    mlp = SwiGLUMLP(gate, up, down)
+    seen = []
+    up.register_forward_pre_hook(lambda m, args: seen.append("up"))
+    x = torch.randn(3, 8, device=device, requires_grad=True)
+    torch.testing.assert_close(mlp(x), down(F.silu(gate(x)) * up(x)), rtol=1e-5, atol=1e-6)
+    assert seen == ["up", "up"]

@@ -133,6 +133,23 @@ def swiglu_packed(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], f)
 
 
+def _plain_linear(m: nn.Module) -> bool:
+    """A bias-free ``nn.Linear`` that no module hook (its own or a global one) would see called."""
+    from torch.nn.modules import module as hooks
+
+    return (
+        type(m) is nn.Linear
+        and m.bias is None
+        and not (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
+        and not (
+            hooks._global_forward_pre_hooks
+            or hooks._global_forward_hooks
+            or hooks._global_backward_pre_hooks
+            or hooks._global_backward_hooks
+        )
+    )
+
+
 class SwiGLUMLP(nn.Module):
     """`down_proj(swiglu(gate_proj(x), up_proj(x)))`, the Llama/Qwen/Mistral MLP.
 
@@ -153,13 +170,12 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj, self.up_proj
-        # Plain bias-free Linear layers (not FP8, LoRA or tensor-parallel ones) on the Triton path: one function
-        # for both projections and the SwiGLU (see _GateUpFunction).
+        # Plain bias-free Linear layers (not FP8, LoRA or tensor-parallel ones) without hooks (Gemini gathers a
+        # module's chunk in its forward pre-hook, ZeRO's overlapped all-gather waits in one) on the Triton path: one
+        # function for both projections and the SwiGLU (see _GateUpFunction).
         if (
-            type(gate) is nn.Linear
-            and type(up) is nn.Linear
-            and gate.bias is None
-            and up.bias is None
+            _plain_linear(gate)
+            and _plain_linear(up)
             and x.numel() > 0
             and x.dtype == gate.weight.dtype == up.weight.dtype
             and use_triton(x)
