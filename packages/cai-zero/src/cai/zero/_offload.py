@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 import torch
 
-from cai.kernels.optim import CPUAdam, HostStepper, accumulate_grad_shard, adam_step, adamw_mode
+from cai.kernels.optim import CPUAdam, HostStepper, accumulate_grad_shard, adam_state, adam_step, adamw_mode
 from cai.zero._bucket import Bucket
 
 
@@ -99,11 +99,7 @@ class HostOffload:
         if b.grad_shard is None:
             return
         group = self.optim.param_groups[b.group_index]
-        state = self.optim.state[b.master]
-        if not state:  # the layout and names of cai.kernels' Adam state (torch Adam's)
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(b.master)
-            state["exp_avg_sq"] = torch.zeros_like(b.master)
+        state = adam_state(self.optim, b.master)
         state["step"] += 1
         buf = self._buffer(self._param_buf, b, b.dtype)
         adam_step(

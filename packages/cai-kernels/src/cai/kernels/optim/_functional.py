@@ -99,7 +99,7 @@ def adam_update(
         return
     if param.device.type == "cpu" and param.is_contiguous() and not grad.is_contiguous():
         grad = grad.contiguous()  # one copy, then the native kernel, rather than the slower torch path
-    if param.device.type == "cpu" and _native_eligible(param, grad, exp_avg, exp_avg_sq, out):
+    if _native_eligible(param, grad, exp_avg, exp_avg_sq, out):
         native = native_adam()
         if native is not None:
             _native_update(native, param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps,
@@ -115,11 +115,17 @@ def adam_update(
             out.view(param.shape).copy_(param, non_blocking=out.device != param.device)
 
 
-def _triton_eligible(param, grad, exp_avg, exp_avg_sq, out) -> bool:
+def _flat_fp32(param, grad, exp_avg, exp_avg_sq, out) -> bool:
+    """fp32 param and moments; every tensor contiguous and on param's device: what both kernels read."""
     tensors = [param, grad, exp_avg, exp_avg_sq] + ([out] if out is not None else [])
+    return param.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and all(
+        t.device == param.device and t.is_contiguous() for t in tensors
+    )
+
+
+def _triton_eligible(param, grad, exp_avg, exp_avg_sq, out) -> bool:
     return (
-        param.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32
-        and all(t.device == param.device and t.is_contiguous() for t in tensors)
+        _flat_fp32(param, grad, exp_avg, exp_avg_sq, out)
         and param.numel() > 0
         and use_triton(param)  # CUDA; CPU only where the Triton interpreter is forced (tests)
     )
@@ -148,10 +154,7 @@ def _log(beta: float) -> float:
 
 
 def _native_eligible(param, grad, exp_avg, exp_avg_sq, out) -> bool:
-    tensors = [param, grad, exp_avg, exp_avg_sq] + ([out] if out is not None else [])
-    return param.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and all(
-        t.device.type == "cpu" and t.is_contiguous() for t in tensors
-    )
+    return param.device.type == "cpu" and _flat_fp32(param, grad, exp_avg, exp_avg_sq, out)
 
 
 def _native_update(native, param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2, eps, weight_decay,

@@ -83,9 +83,6 @@ class _Adam(torch.optim.Optimizer):
             _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                    amsgrad=group.get("amsgrad", False), maximize=group.get("maximize", False))  # fmt: skip
 
-    def _state_for(self, p: torch.Tensor) -> dict[str, Any]:
-        return adam_state(self, p)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, div_scale: float = -1.0) -> float | None:
         """One update of every parameter that has a gradient. `div_scale` > 0 divides the gradients first
@@ -114,7 +111,7 @@ class _Adam(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self._state_for(p)
+                state = adam_state(self, p)
                 if p.device.type == "cpu" and self._native_cpu:
                     state["step"] += 1
                     adam_update(
