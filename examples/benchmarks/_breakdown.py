@@ -60,8 +60,8 @@ def step_breakdown(
     the ten largest kernels (operators on the CPU) outside the matmul and attention buckets as ``(ms per step,
     bucket, name, callers)``: what the step spends besides its products; ``callers`` (GPU only) lists the operator
     chains that launched the kernel (innermost first, for example ``aten::copy_ < aten::clone <
-    autograd::engine::evaluate_function: ViewBackward0``) with their ms per step, largest first. ``trace``, if given, is a path the profiled steps
-    are written to as a Chrome trace (gzipped when it ends in ``.gz``). ``gaps``, if given (GPU only), receives
+    autograd::engine::evaluate_function: ViewBackward0``) with their ms per step, largest first. ``trace``, if
+    given, is a path the profiled steps are written to as a Chrome trace (gzipped when it ends in ``.gz``). ``gaps``, if given (GPU only), receives
     where the device waited: ``(ms per step, count, chain)`` for the operator chains whose kernels started after
     the device had been idle for more than 20 us, summed over those waits, largest first."""
     cuda = device.type == "cuda"
@@ -80,20 +80,22 @@ def step_breakdown(
     per_name: dict[str, float] = {}
     callers: dict[str, dict[str, float]] = {}
     if cuda:
-        # the kernels themselves; not the ranges that record_function (the optimizer's step, compiled regions)
-        # mirrors on the device timeline, whose time is their kernels' again
-        for evt in prof.events():
-            if evt.device_type == torch.autograd.DeviceType.CUDA and not getattr(
-                evt, "is_user_annotation", False
-            ):
-                per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us()
-        if gaps is not None:
-            gaps.extend(_idle_gaps(prof, steps))
-        for evt in prof.events():  # operators that launched kernels: their chain of enclosing operators
-            for kernel in getattr(evt, "kernels", ()):
+        events = prof.events()
+        for evt in events:
+            if evt.device_type == torch.autograd.DeviceType.CUDA:
+                # the kernels themselves; not the ranges that record_function (the optimizer's step, compiled
+                # regions) mirrors on the device timeline, whose time is their kernels' again
+                if not getattr(evt, "is_user_annotation", False):
+                    per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us()
+                continue
+            for kernel in getattr(
+                evt, "kernels", ()
+            ):  # an operator's launches: its chain of enclosing operators
                 chain = _chain(evt)
                 by_chain = callers.setdefault(kernel.name, {})
                 by_chain[chain] = by_chain.get(chain, 0.0) + kernel.duration / 1e3 / steps
+        if gaps is not None:
+            gaps.extend(_idle_gaps(prof, events, steps))
     else:  # the operators' self time (top-level ones only would miss nested work; self time counts it once)
         for evt in prof.key_averages():
             per_name[evt.key] = float(evt.self_cpu_time_total)
@@ -113,10 +115,10 @@ def step_breakdown(
     return out
 
 
-def _idle_gaps(prof, steps: int, min_us: float = 20.0) -> list[tuple[float, int, str]]:
+def _idle_gaps(prof, events, steps: int, min_us: float = 20.0) -> list[tuple[float, int, str]]:
     # the raw kineto events: a kernel's launching operator is the CPU event whose correlation id it links to
     raw = prof.profiler.kineto_results.events()
-    cpu = {e.id: e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
+    cpu = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
     kernels = sorted(
         (
             (e.start_ns() / 1e3, e.end_ns() / 1e3, e.name(), e.linked_correlation_id())
