@@ -13,6 +13,10 @@ on that same tensor (the last one lets it go). Called on anything else, or in an
 slice of the merged weight, so the result is the same either way. An MLP of SiLU-gated shape (``gate_proj``,
 ``up_proj``, ``down_proj``) becomes one module whose ``gate_up`` matmul feeds ``cai.kernels.swiglu_packed``.
 
+At batch 1 every merged matmul, the SwiGLU with the down projection, and the attention's ``o_proj`` run through
+``cai.kernels``' single-row kernels (``gemv``, ``swiglu_gemv``: [Note: decode GEMV]), which reach more of the
+bandwidth than cuBLAS does for these shapes; more rows take the same matmuls as before.
+
 The merged weights replace the originals (the model's parameter names change); tensor-parallel engines keep the
 sharded projections as they are.
 """
@@ -23,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cai.kernels import is_swiglu_mlp, swiglu_packed
+from cai.kernels import gemv, is_swiglu_mlp, swiglu_gemv
 
-__all__ = ["fuse_projections"]
+__all__ = ["FusedSwiGLUMLP", "fuse_projections", "merged_qkv"]
 
 
 def _merge(linears: list[nn.Linear]) -> nn.Linear:
@@ -59,6 +63,10 @@ class _MergedQKV(nn.Module):
         )
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def stash(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Hand the slices ``y``, computed elsewhere, as the merged matmul's output for the input ``x``."""
+        self.last = (x, y)
+
 
 class _Slice(nn.Module):
     """One of q (``part`` 0), k (1) or v (2) of a ``_MergedQKV`` (see [Note: fused projections])."""
@@ -75,8 +83,11 @@ class _Slice(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self._merged[0]
         if self.part == 0:
-            y = m.qkv(x)
-            m.last = (x, y)
+            if m.last is not None and m.last[0] is x:  # stashed by the layer (see _residual.py)
+                y = m.last[1]
+            else:
+                y = gemv(x, m.qkv.weight, m.qkv.bias)
+                m.last = (x, y)
             return y[..., self.lo : self.hi]
         last, m.last = m.last, (m.last if self.part == 1 else None)
         if last is not None and last[0] is x:
@@ -100,7 +111,24 @@ class FusedSwiGLUMLP(nn.Module):
         self.down_proj = down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_packed(self.gate_up(x)))
+        return self.down(gemv(x, self.gate_up.weight, self.gate_up.bias))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from ``gate_up``'s output."""
+        return swiglu_gemv(gate_up, self.down_proj.weight, self.down_proj.bias)
+
+
+class _GemvLinear(nn.Linear):
+    """A Linear whose single-row calls take ``cai.kernels.gemv`` (same parameters, same names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemv(x, self.weight, self.bias)
+
+
+def merged_qkv(attention: nn.Module) -> _MergedQKV | None:
+    """The merged q/k/v matmul of an attention module that ``fuse_projections`` changed, else None."""
+    q = getattr(attention, "q_proj", None)
+    return q.merged if isinstance(q, _Slice) else None
 
 
 def _linears(mod: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
@@ -130,6 +158,8 @@ def fuse_projections(model: nn.Module) -> tuple[int, int]:
             merged = _MergedQKV(*qkv)
             for part, attr in enumerate(("q_proj", "k_proj", "v_proj")):
                 setattr(mod, attr, _Slice(merged, part))
+            if type(getattr(mod, "o_proj", None)) is nn.Linear:
+                mod.o_proj.__class__ = _GemvLinear
             attentions += 1
         gate_up = _linears(mod, ("gate_proj", "up_proj"))
         silu = is_swiglu_mlp(mod)
