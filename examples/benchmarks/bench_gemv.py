@@ -1,11 +1,10 @@
 #!/usr/bin/env python
-"""cai-kernels' single-row linear kernels (gemv, rms_norm_gemv, swiglu_gemv) against cuBLAS, at batch-1 decode shapes.
+"""cai-kernels' single-row linear kernel (`gemv`) against cuBLAS (`F.linear`), at batch-1 decode shapes.
 
 The matrices of one Llama-3-8B layer and its lm_head (bf16). Each measurement runs the operation over enough distinct
 copies of the weight to exceed the L2 cache several times (as a decode step reads one layer's weights after
-another), inside one CUDA graph, and reports the time per call and the weight bytes over it. The fused rows time the
-unfused pair (cai's RMSNorm with the residual, or swiglu_packed, then cuBLAS) against the one kernel. `--sweep` also
-times every kernel configuration per shape and prints the best, which is how `_gemv._config` was chosen.
+another), inside one CUDA graph, and reports the time per call and the weight bytes over it. `--sweep` also times
+every kernel configuration per shape and prints the best, which is how `_gemv._config` was chosen.
 
     python examples/benchmarks/bench_gemv.py              # < 1 minute
     python examples/benchmarks/bench_gemv.py --sweep
@@ -21,7 +20,6 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from cai.kernels import rms_norm, rms_norm_gemv, swiglu_gemv, swiglu_packed
 from cai.kernels._gemv import _config, _launch
 
 HIDDEN, INTER, VOCAB = 4096, 14336, 128256
@@ -54,25 +52,25 @@ def per_call_us(fn, copies: int, rep: int = 300) -> float:
 
 
 def measure(name: str, n: int, k: int, sweep: bool) -> dict:
-    """One shape's row: microseconds per call and TB/s for cuBLAS, the kernel, and the fused pairs."""
+    """One shape's row: microseconds per call and TB/s for cuBLAS and the kernel (and its best configuration)."""
     dt = torch.bfloat16
     nbytes = n * k * 2
     copies = max(1, L2_SPAN // nbytes)
     ws = [torch.randn(n, k, device="cuda", dtype=dt) / k**0.5 for _ in range(copies)]
     x = torch.randn(1, 1, k, device="cuda", dtype=dt)
     y_ref = F.linear(x, ws[0])
-    torch.testing.assert_close(_launch(0, x, ws[0], None, k)[0].view_as(y_ref), y_ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(_launch(x, ws[0], None).view_as(y_ref), y_ref, rtol=2e-2, atol=2e-2)
     timings = {
         "cublas": per_call_us(lambda i: F.linear(x, ws[i]), copies),
-        "cai": per_call_us(lambda i: _launch(0, x, ws[i], None, k), copies),
+        "cai": per_call_us(lambda i: _launch(x, ws[i], None), copies),
     }
     if sweep:
         best = None
-        for cfg in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3)):
-            if cfg[0] * cfg[1] > 16384:
+        for cfg in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096), (4, 8, 16)):
+            if cfg[1] > k or cfg[0] * cfg[1] > 8192:
                 continue
             try:
-                us = per_call_us(lambda i, c=cfg: _launch(0, x, ws[i], None, k, config=c), copies, rep=100)
+                us = per_call_us(lambda i, c=cfg: _launch(x, ws[i], None, config=c), copies, rep=100)
             except Exception as exc:  # e.g. too many registers
                 print(json.dumps({"shape": name, "config": cfg, "error": type(exc).__name__}))
                 continue
@@ -80,18 +78,7 @@ def measure(name: str, n: int, k: int, sweep: bool) -> dict:
             if best is None or us < best[1]:
                 best = (cfg, us)
         timings["best"] = best[1]
-        print(json.dumps({"shape": name, "best": best[0], "default": _config(n, k)}))
-    if name in ("qkv", "gate_up"):  # the norm before them, with the residual add
-        r = torch.randn_like(x)
-        g = torch.randn(k, device="cuda", dtype=dt)
-        timings["norm+cublas"] = per_call_us(
-            lambda i: F.linear(rms_norm(x, g, 1e-5, residual=r)[0], ws[i]), copies
-        )
-        timings["rms_norm_gemv"] = per_call_us(lambda i: rms_norm_gemv(x, g, 1e-5, ws[i], residual=r), copies)
-    if name == "down":  # the SwiGLU before it
-        gu = torch.randn(1, 1, 2 * k, device="cuda", dtype=dt)
-        timings["swiglu+cublas"] = per_call_us(lambda i: F.linear(swiglu_packed(gu), ws[i]), copies)
-        timings["swiglu_gemv"] = per_call_us(lambda i: swiglu_gemv(gu, ws[i]), copies)
+        print(json.dumps({"shape": name, "best": best[0], "default": _config(k)}))
     row = {"shape": name, "n": n, "k": k}
     for what, us in timings.items():
         row[what + "_us"] = round(us, 2)

@@ -54,3 +54,28 @@ def test_slices_called_out_of_order_compute_their_own() -> None:
         assert torch.allclose(attn.k_proj(x), want["k_proj"], atol=1e-6)
         assert torch.allclose(attn.v_proj(x), want["v_proj"], atol=1e-6)
     assert attn.q_proj.merged.last is None  # v let the input and output go
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_single_rows_take_the_gemv_kernel(impl, make_model, monkeypatch) -> None:
+    import cai.kernels._gemv as gemv_mod
+
+    model = make_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    fuse_projections(model)
+    monkeypatch.setenv("CAI_KERNELS_IMPL", impl)  # triton: the kernel through the interpreter
+    launches = []
+    real = gemv_mod._launch
+    monkeypatch.setattr(
+        gemv_mod, "_launch", lambda x, w, *a: launches.append(tuple(w.shape)) or real(x, w, *a)
+    )
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    h, layers = model.config.hidden_size, model.config.num_hidden_layers
+    if impl == "triton":  # per layer q/k/v, o, gate/up and down; then the output projection
+        assert len(launches) == 4 * layers + 1 and launches[-1] == (model.config.vocab_size, h)
+    else:
+        assert launches == []

@@ -13,9 +13,9 @@ on that same tensor (the last one lets it go). Called on anything else, or in an
 slice of the merged weight, so the result is the same either way. An MLP of SiLU-gated shape (``gate_proj``,
 ``up_proj``, ``down_proj``) becomes one module whose ``gate_up`` matmul feeds ``cai.kernels.swiglu_packed``.
 
-At batch 1 every merged matmul, the SwiGLU with the down projection, and the attention's ``o_proj`` run through
-``cai.kernels``' single-row kernels (``gemv``, ``swiglu_gemv``: [Note: decode GEMV]), which reach more of the
-bandwidth than cuBLAS does for these shapes; more rows take the same matmuls as before.
+At batch 1 the merged matmuls, the MLP's down projection, the attention's ``o_proj`` and the model's output
+projection run through ``cai.kernels.gemv`` ([Note: decode GEMV]), which reaches more of the bandwidth than cuBLAS
+does at one row; more rows take the same matmuls as before.
 
 The merged weights replace the originals (the model's parameter names change); tensor-parallel engines keep the
 sharded projections as they are.
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cai.kernels import gemv, is_swiglu_mlp, swiglu_gemv
+from cai.kernels import gemv, is_swiglu_mlp, swiglu_packed
 
-__all__ = ["FusedSwiGLUMLP", "fuse_projections", "merged_qkv"]
+__all__ = ["fuse_projections"]
 
 
 def _merge(linears: list[nn.Linear]) -> nn.Linear:
@@ -63,10 +63,6 @@ class _MergedQKV(nn.Module):
         )
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def stash(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Hand the slices ``y``, computed elsewhere, as the merged matmul's output for the input ``x``."""
-        self.last = (x, y)
-
 
 class _Slice(nn.Module):
     """One of q (``part`` 0), k (1) or v (2) of a ``_MergedQKV`` (see [Note: fused projections])."""
@@ -83,11 +79,8 @@ class _Slice(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self._merged[0]
         if self.part == 0:
-            if m.last is not None and m.last[0] is x:  # stashed by the layer (see _residual.py)
-                y = m.last[1]
-            else:
-                y = gemv(x, m.qkv.weight, m.qkv.bias)
-                m.last = (x, y)
+            y = gemv(x, m.qkv.weight, m.qkv.bias)
+            m.last = (x, y)
             return y[..., self.lo : self.hi]
         last, m.last = m.last, (m.last if self.part == 1 else None)
         if last is not None and last[0] is x:
@@ -111,11 +104,8 @@ class FusedSwiGLUMLP(nn.Module):
         self.down_proj = down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(gemv(x, self.gate_up.weight, self.gate_up.bias))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP's output from ``gate_up``'s output."""
-        return swiglu_gemv(gate_up, self.down_proj.weight, self.down_proj.bias)
+        act = swiglu_packed(gemv(x, self.gate_up.weight, self.gate_up.bias))
+        return gemv(act, self.down_proj.weight, self.down_proj.bias)
 
 
 class _GemvLinear(nn.Linear):
@@ -123,12 +113,6 @@ class _GemvLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemv(x, self.weight, self.bias)
-
-
-def merged_qkv(attention: nn.Module) -> _MergedQKV | None:
-    """The merged q/k/v matmul of an attention module that ``fuse_projections`` changed, else None."""
-    q = getattr(attention, "q_proj", None)
-    return q.merged if isinstance(q, _Slice) else None
 
 
 def _linears(mod: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
@@ -149,8 +133,12 @@ def _linears(mod: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
 
 
 def fuse_projections(model: nn.Module) -> tuple[int, int]:
-    """Merge q/k/v projections and SiLU-gated MLPs' gate/up projections of ``model`` in place (see
-    [Note: fused projections]); returns (attention modules, MLPs) merged."""
+    """Merge q/k/v projections and SiLU-gated MLPs' gate/up projections of ``model`` in place, and give the
+    attention's and the model's output projections the single-row kernel (see [Note: fused projections]); returns
+    (attention modules, MLPs) merged."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(out) is nn.Linear:
+        out.__class__ = _GemvLinear
     attentions = mlps = 0
     for name, mod in list(model.named_modules()):
         qkv = _linears(mod, ("q_proj", "k_proj", "v_proj"))

@@ -19,20 +19,10 @@ Mistral, Qwen2/3, Gemma, Olmo, Starcoder2, GLM, Helium and others:
 
 and both norms of every layer and the final norm must be ``cai.kernels.RMSNorm`` (so Gemma's ``1 + weight`` norms,
 which cai-kernels leaves alone, and LayerNorm models keep their layers). Anything else keeps its own forward.
-
-[Note: norms inside the projections]
-Once ``fuse_projections`` has merged a layer's q/k/v and its MLP (see _fuse.py), each norm is followed by one
-matmul, and ``cai.kernels.rms_norm_gemv`` does both in one kernel at batch 1 ([Note: decode GEMV]): the layer hands
-the merged q/k/v output to the attention's projections (``_MergedQKV.stash``, keyed by the tensor it then passes as
-``hidden_states``) and feeds the post-attention norm straight into the MLP's gate/up matmul. The attention module
-never sees the normalised rows, so this applies only where its ``forward`` uses ``hidden_states`` for nothing but
-``.shape`` and the three projections' calls (``_projections_only``, read from its syntax tree), as Llama's, Mistral's
-and Qwen's do; with more rows the same calls run the unfused norm and matmul, as before.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import hashlib
 import inspect
@@ -41,9 +31,7 @@ import textwrap
 import torch
 from torch import nn
 
-from cai.kernels import RMSNorm, rms_norm_gemv
-
-from ._fuse import FusedSwiGLUMLP, merged_qkv
+from cai.kernels import RMSNorm
 
 __all__ = ["carry_residuals"]
 
@@ -62,36 +50,6 @@ def forward_digest(cls: type) -> str | None:
     return hashlib.sha256("\n".join(line for line in lines if line.strip()).encode()).hexdigest()[:16]
 
 
-@functools.cache
-def _projections_only(cls: type) -> bool:
-    """Whether ``cls.forward`` uses its ``hidden_states`` argument only as ``hidden_states.shape`` and in
-    ``self.q_proj(hidden_states)``, ``self.k_proj(...)`` and ``self.v_proj(...)`` (see
-    [Note: norms inside the projections])."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    fn = tree.body[0]
-    if not isinstance(fn, ast.FunctionDef) or "hidden_states" not in [a.arg for a in fn.args.args]:
-        return False
-    allowed = set()
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Attribute) and node.attr == "shape" and isinstance(node.value, ast.Name):
-            allowed.add(id(node.value))
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("q_proj", "k_proj", "v_proj")
-            and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "self"
-            and len(node.args) == 1
-            and not node.keywords
-        ):
-            allowed.add(id(node.args[0]))
-    uses = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == "hidden_states"]
-    return bool(uses) and all(id(n) in allowed and isinstance(n.ctx, ast.Load) for n in uses)
-
-
 class _Carry:
     """The residual stream between the layers of one forward."""
 
@@ -106,43 +64,15 @@ class _CarriedLayer(nn.Module):
     _first: bool
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        carried = (
-            None if self._first else self._carry.residual
-        )  # else hidden_states is the previous MLP's output
-        norm, qkv = self.input_layernorm, merged_qkv(self.self_attn)
-        if qkv is not None and _projections_only(
-            type(self.self_attn)
-        ):  # [Note: norms inside the projections]
-            out = rms_norm_gemv(
-                hidden_states,
-                norm.weight,
-                norm.variance_epsilon,
-                qkv.qkv.weight,
-                qkv.qkv.bias,
-                residual=carried,
-            )
-            y, residual = (out, hidden_states) if carried is None else out
-            qkv.stash(hidden_states, y)  # hidden_states stays only as the key the projections are called with
-        elif carried is None:
-            residual, hidden_states = hidden_states, norm(hidden_states)
-        else:
-            hidden_states, residual = norm(hidden_states, carried)
+        if self._first:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:  # hidden_states is the previous layer's MLP output
+            hidden_states, residual = self.input_layernorm(hidden_states, self._carry.residual)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
-        norm, mlp = self.post_attention_layernorm, self.mlp
-        if isinstance(mlp, FusedSwiGLUMLP):
-            gate_up, residual = rms_norm_gemv(
-                hidden_states,
-                norm.weight,
-                norm.variance_epsilon,
-                mlp.gate_up.weight,
-                mlp.gate_up.bias,
-                residual=residual,
-            )
-            self._carry.residual = residual
-            return mlp.down(gate_up)
-        hidden_states, residual = norm(hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         self._carry.residual = residual
-        return mlp(hidden_states)
+        return self.mlp(hidden_states)
 
 
 class _CarriedFinalNorm(RMSNorm):

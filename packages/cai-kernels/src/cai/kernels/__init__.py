@@ -10,7 +10,7 @@ from importlib.metadata import version as _version
 from cai.kernels._dispatch import kernel_report, use_triton
 from cai.kernels._fp8 import Fp8Linear, convert_to_fp8, fp8_linear, fp8_matmul, quantize_rowwise
 from cai.kernels._fused_ce import fused_linear_cross_entropy
-from cai.kernels._gemv import gemv, rms_norm_gemv, swiglu_gemv
+from cai.kernels._gemv import gemv
 from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, is_swiglu_mlp, patch_hf_model
 from cai.kernels._moe import grouped_linear, permute_tokens, unpermute_tokens
 from cai.kernels._norm import LayerNorm, RMSNorm, layer_norm, rms_norm
@@ -45,9 +45,7 @@ __all__ = [
     "permute_tokens",
     "quantize_rowwise",
     "rms_norm",
-    "rms_norm_gemv",
     "swiglu",
-    "swiglu_gemv",
     "swiglu_packed",
     "unpermute_tokens",
     "use_triton",
