@@ -19,6 +19,7 @@ def test_report_lists_every_kernel(monkeypatch):
         "swiglu",
         "fused_linear_cross_entropy",
         "paged_attention",
+        "gemv",
         "cpu_adam",
     ]
     expected = "triton" if torch.cuda.is_available() else "torch"

@@ -21,7 +21,15 @@ IMPL_ENV = "CAI_KERNELS_IMPL"
 FALLBACK_ENV = "CAI_KERNELS_FALLBACK"
 _IMPLS = ("auto", "triton", "torch")
 
-KERNEL_NAMES = ("rms_norm", "layer_norm", "rotary", "swiglu", "fused_linear_cross_entropy", "paged_attention")
+KERNEL_NAMES = (
+    "rms_norm",
+    "layer_norm",
+    "rotary",
+    "swiglu",
+    "fused_linear_cross_entropy",
+    "paged_attention",
+    "gemv",
+)
 
 
 @functools.cache
@@ -90,9 +98,8 @@ def kernel_report() -> list[tuple[str, str, str]]:
     """List each kernel with the implementation it uses for CUDA tensors and why.
 
     Returns:
-        `[(kernel name, "triton" | "torch" | "error", reason), ...]`, one row per kernel in
-        `rms_norm, layer_norm, rotary, swiglu, fused_linear_cross_entropy, paged_attention`. CPU tensors always take the torch
-        path unless `CAI_KERNELS_IMPL=triton` and `TRITON_INTERPRET=1`. A last row `("cpu_adam", impl, reason)`
+        `[(kernel name, "triton" | "torch" | "error", reason), ...]`, one row per kernel in `rms_norm, layer_norm,
+        rotary, swiglu, fused_linear_cross_entropy, paged_attention, gemv`. CPU tensors always take the torch path unless `CAI_KERNELS_IMPL=triton` and `TRITON_INTERPRET=1`. A last row `("cpu_adam", impl, reason)`
         says what CPUAdam/HybridAdam use for CPU parameters (`cai.kernels.optim.cpu_adam_status()`:
         `native-avx512 | native-avx2 | native-scalar | torch-fused`; the first call builds the native library).
         `cai check` prints this table.
