@@ -99,9 +99,10 @@ def kernel_report() -> list[tuple[str, str, str]]:
 
     Returns:
         `[(kernel name, "triton" | "torch" | "error", reason), ...]`, one row per kernel in `rms_norm, layer_norm,
-        rotary, swiglu, fused_linear_cross_entropy, paged_attention, gemv`. CPU tensors always take the torch path unless `CAI_KERNELS_IMPL=triton` and `TRITON_INTERPRET=1`. A last row `("cpu_adam", impl, reason)`
-        says what CPUAdam/HybridAdam use for CPU parameters (`cai.kernels.optim.cpu_adam_status()`:
-        `native-avx512 | native-avx2 | native-scalar | torch-fused`; the first call builds the native library).
+        rotary, swiglu, fused_linear_cross_entropy, paged_attention, gemv`. CPU tensors always take the torch path
+        unless `CAI_KERNELS_IMPL=triton` and `TRITON_INTERPRET=1`. A last row `("cpu_adam", impl, reason)` says
+        what CPUAdam/HybridAdam use for CPU parameters (`cai.kernels.optim.cpu_adam_status()`: `native-avx512
+        | native-avx2 | native-scalar | torch-fused`; the first call builds the native library).
         `cai check` prints this table.
     """
     # Imported here: the optimizer package must not load (or build) anything when only kernels are used.
