@@ -134,6 +134,12 @@ class HybridLayout:
         return self.num_microbatches or self.microbatch_size or 1
 
 
+def check_fp8(plugin: str) -> None:
+    """``--fp8`` (``use_fp8=True``) exists on LowLevelZero, Gemini and HybridParallel: an error for any other."""
+    if plugin not in ("zero1", "zero2", "gemini", "hybrid"):
+        raise ValueError(f"--fp8 applies to zero1, zero2, gemini and hybrid, not --plugin {plugin}")
+
+
 @dataclass(kw_only=True, frozen=True)
 class PluginChoice:
     """What ``--plugin`` and its companion flags ask for.
@@ -170,8 +176,8 @@ class PluginChoice:
             )
         if self.cpu_offload and self.name not in ("zero1", "zero2", "fsdp"):
             raise ValueError(f"--cpu-offload applies to zero1, zero2 and fsdp, not --plugin {self.name}")
-        if self.use_fp8 and self.name not in ("zero1", "zero2", "gemini", "hybrid"):
-            raise ValueError(f"--fp8 applies to zero1, zero2, gemini and hybrid, not --plugin {self.name}")
+        if self.use_fp8:
+            check_fp8(self.name)
         if self.hybrid is not None and self.name != "hybrid":
             raise ValueError(
                 f"--tp/--pp/--sp/--sp-mode/--zero-stage/--microbatches are HybridParallelPlugin's; got --plugin "

@@ -41,7 +41,7 @@ from _digits import BOS, EOS, PAD, VOCAB_SIZE, DigitReversal, DigitTask, collate
 from _launch import default_nproc, launched_externally, resolve_device, run
 from _models import digit_llama_config
 from _perf import ModelShape, ProgressBar, Throughput, peak_memory_gib, synchronize
-from _plugins import PLUGINS, SP_MODES, HybridLayout, PluginChoice, make_booster
+from _plugins import PLUGINS, SP_MODES, HybridLayout, PluginChoice, check_fp8, make_booster
 
 PROBE_SEED, EVAL_SEED = 10_000_019, 20_000_003  # held-out data: far from the training seeds
 
@@ -125,9 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.save_at = args.steps // 2
     if not 0 <= args.save_at <= args.steps:
         p.error(f"--save-at {args.save_at} must be in [0, --steps {args.steps}]")
-    if args.fp8 and args.plugin not in ("zero1", "zero2", "gemini", "hybrid"):
-        p.error(f"--fp8 applies to zero1, zero2, gemini and hybrid, not --plugin {args.plugin}")
     try:
+        if args.fp8:
+            check_fp8(args.plugin)
         args.layout = hybrid_layout(args)
         args.world = world_size(args)
         dp = args.layout.dp_size(args.world) if args.layout else args.world
