@@ -91,6 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="time every kernel configuration per shape")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemv.py needs a CUDA GPU")
     torch.manual_seed(0)
     bw = copy_bandwidth_gbps()
     print(json.dumps({"copy_gbps": round(bw)}))
