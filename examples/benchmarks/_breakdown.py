@@ -60,10 +60,11 @@ def step_breakdown(
     the ten largest kernels (operators on the CPU) outside the matmul and attention buckets as ``(ms per step,
     bucket, name, callers)``: what the step spends besides its products; ``callers`` (GPU only) lists the operator
     chains that launched the kernel (innermost first, for example ``aten::copy_ < aten::clone <
-    autograd::engine::evaluate_function: ViewBackward0``) with their ms per step, largest first. ``trace``, if
-    given, is a path the profiled steps are written to as a Chrome trace (gzipped when it ends in ``.gz``). ``gaps``, if given (GPU only), receives
-    where the device waited: ``(ms per step, count, chain)`` for the operator chains whose kernels started after
-    the device had been idle for more than 20 us, summed over those waits, largest first."""
+    autograd::engine::evaluate_function: ViewBackward0``) with their ms per step, largest first. ``gaps``, if
+    given (GPU only), receives where the device waited: ``(ms per step, count, chain)`` for the operator chains
+    whose kernels started after the device had been idle for more than 20 us, summed over those waits, largest
+    first. ``trace``, if given, is a path the profiled steps are written to as a Chrome trace (gzipped when it ends
+    in ``.gz``)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
@@ -88,12 +89,14 @@ def step_breakdown(
                 if not getattr(evt, "is_user_annotation", False):
                     per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us()
                 continue
-            for kernel in getattr(
+            launches = getattr(
                 evt, "kernels", ()
-            ):  # an operator's launches: its chain of enclosing operators
+            )  # an operator's kernels, filed under its chain of operators
+            if launches:
                 chain = _chain(evt)
-                by_chain = callers.setdefault(kernel.name, {})
-                by_chain[chain] = by_chain.get(chain, 0.0) + kernel.duration / 1e3 / steps
+                for kernel in launches:
+                    by_chain = callers.setdefault(kernel.name, {})
+                    by_chain[chain] = by_chain.get(chain, 0.0) + kernel.duration / 1e3 / steps
         if gaps is not None:
             gaps.extend(_idle_gaps(prof, events, steps))
     else:  # the operators' self time (top-level ones only would miss nested work; self time counts it once)

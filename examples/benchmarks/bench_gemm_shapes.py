@@ -30,9 +30,8 @@ def main() -> None:
 
     t, h, f = args.tokens, args.hidden, args.ffn
     kv = args.kv or h
-    print(
-        f"{torch.cuda.get_device_name()}, TORCH_BLAS_PREFER_CUBLASLT={os.environ.get('TORCH_BLAS_PREFER_CUBLASLT', '0')}"
-    )
+    prefer_lt = os.environ.get("TORCH_BLAS_PREFER_CUBLASLT", "0")
+    print(f"{torch.cuda.get_device_name()}, TORCH_BLAS_PREFER_CUBLASLT={prefer_lt}")
     shapes = (("q/o", h, h), ("gate/up", f, h), ("down", h, f), ("gate+up", 2 * f, h), ("qkv", h + 2 * kv, h))
     for tag, n, k in shapes:
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,6 @@
-"""cai-kernels: Triton training kernels (norms, rotary, SwiGLU, fused linear cross-entropy, mixture-of-experts grouped GEMM), FP8 linear layers and Adam optimizers (CPUAdam, FusedAdam, HybridAdam), each with a pure-torch fallback.
+"""cai-kernels: Triton kernels for training (norms, rotary, SwiGLU, fused linear cross-entropy, mixture-of-experts
+grouped GEMM) and serving (paged attention, the K/V cache write, the single-row matmul), FP8 linear layers and Adam
+optimizers (CPUAdam, FusedAdam, HybridAdam), each with a pure-torch fallback.
 
 Every kernel function picks the Triton kernel for CUDA tensors and a pure-torch implementation otherwise;
 `CAI_KERNELS_FALLBACK=1` forces the torch path and `CAI_KERNELS_IMPL=triton|torch|auto` chooses explicitly
