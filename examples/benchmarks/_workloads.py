@@ -205,11 +205,13 @@ def cai(
     lazy: bool = False,
     offload_activations: float = 0.0,
     accum: int = 1,
+    compile_blocks: bool = False,
 ) -> Workload:
     """The model through ``Booster.boost`` with the plugin ``choice`` names and HybridAdam (Colossal-AI's
     benchmark setup; AdamW under FSDP); ``kernels`` swaps in cai's fused kernels first. ``batch_of(r)`` is
     data-parallel rank r's batch; with pipeline parallelism the step goes through ``execute_pipeline``. ``accum``
-    micro-batches a step (``no_sync`` but for the last; pipelined rows take one).
+    micro-batches a step (``no_sync`` but for the last; pipelined rows take one). ``compile_blocks``: the decoder
+    layers' forwards under ``torch.compile`` (``cai.booster.compile_blocks``; FP8 rows compile them anyway).
 
     Run it after the peers: ``patch_hf_model`` replaces the rotary function of the transformers modeling module
     for the whole process, which would otherwise leak into the peers' models.
@@ -241,6 +243,10 @@ def cai(
     else:
         optimizer = HybridAdam(model.parameters(), lr=LR)
     model, optimizer, *_ = booster.boost(model, optimizer)
+    if compile_blocks:
+        from cai.booster import compile_blocks as compile_
+
+        compile_(model)
     state = {"booster": booster, "model": model, "optimizer": optimizer}
 
     def step() -> None:
@@ -262,7 +268,8 @@ def cai(
         state.clear()
         release()
 
-    extras = (" + cai kernels" if kernels else "") + (", lazy init" if lazy else "")
+    extras = (" + cai kernels" if kernels else "") + (", compiled blocks" if compile_blocks else "")
+    extras += ", lazy init" if lazy else ""
     return Workload(name=f"cai {choice.label} ({choice.precision}){extras}", step=step, close=close)
 
 

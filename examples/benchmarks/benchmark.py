@@ -139,6 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lazy", action="store_true", help="build the cai model under LazyInitContext")
     p.add_argument(
+        "--compile-blocks",
+        action="store_true",
+        help="cai rows: each decoder layer's forward under torch.compile (cai.booster.compile_blocks; the --fp8 "
+        "rows compile them anyway on FP8 GPUs)",
+    )
+    p.add_argument(
         "--fp8",
         action="store_true",
         help="zero1/zero2/gemini: also time each such plugin with use_fp8=True (FP8 linear layers), one row more each",
@@ -430,6 +436,7 @@ def main(args: argparse.Namespace) -> None:
         build = lambda choice=choice: _workloads.cai(  # noqa: E731
             config, batch_of, device=device, choice=choice, grad_ckpt=args.grad_checkpoint, kernels=args.kernels,
             lazy=args.lazy, offload_activations=args.offload_activations, accum=args.accum,
+            compile_blocks=args.compile_blocks,
         )  # fmt: skip
         # A hybrid replica's tp x pp x sp ranks share its batch: each device does 1 / (tp x pp x sp) of it.
         share = choice.hybrid.model_parallel if choice.hybrid else 1

@@ -6,7 +6,9 @@ Every kernel entry point calls `use_triton(tensor)` once per call. The answer de
 - `CAI_KERNELS_FALLBACK` (any non-empty value other than `0`) forces the torch path, whatever else is set;
 - in `auto`, Triton is used for CUDA tensors when `triton` imports;
 - `triton` forces the Triton kernels, also on CPU tensors, which only works under `TRITON_INTERPRET=1` (this is
-  how the tests run the real kernels on a machine without a GPU).
+  how the tests run the real kernels on a machine without a GPU);
+- while `torch.compile` traces, always the torch path: Inductor fuses it with the ops around it, where tracing
+  the Triton launcher and autotuner would break the graph and recompile.
 Triton is imported lazily, so `import cai.kernels` never fails because Triton is missing.
 """
 
@@ -56,6 +58,10 @@ def _requested_impl() -> str:
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether the Triton kernel runs for `tensor` (see [Note: implementation choice])."""
+    if (
+        torch.compiler.is_compiling()
+    ):  # dynamo traces the torch path, which Inductor fuses with its neighbours
+        return False
     impl = _requested_impl()
     if impl == "torch":
         return False

@@ -215,7 +215,10 @@ GEMINI_ARGS = PluginArgs(
         "enable_fused_normalization": _KERNELS,
         "enable_jit_fused": _KERNELS,
         "enable_flash_attention": _KERNELS + ", and a model on eager attention switches to torch SDPA",
-        "use_fp8": "True runs the linear layers (not the output head) in FP8 (cai.kernels.convert_to_fp8) at boost()",
+        "use_fp8": (
+            "True runs the linear layers (not the output head) in FP8 (cai.kernels.convert_to_fp8) at boost(), "
+            "under LowLevelZero the decoder blocks compiled on FP8 GPUs (cai.booster.compile_blocks)"
+        ),
         "enable_gradient_accumulation": (
             "True turns the overlapped host step off unless it is asked for (then plain repeated backward "
             "accumulates too); without it, accumulate inside no_sync()"

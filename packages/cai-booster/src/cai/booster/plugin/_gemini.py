@@ -47,7 +47,8 @@ class GeminiPlugin(DPPluginBase):
     and ``enable_flash_attention`` apply cai-kernels' fused norms, SwiGLU, rotary and loss to the model at
     ``boost()`` (``cai.kernels.patch_hf_model``). Tensor parallelism (``tp_size > 1``), ``extra_dp_size > 1``,
     ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False`` and ``force_outputs_fp32`` raise with what
-    to use instead. ``use_fp8=True`` runs the linear layers in FP8 (``cai.kernels.convert_to_fp8``);
+    to use instead. ``use_fp8=True`` runs the linear layers in FP8 (``cai.kernels.convert_to_fp8``; the blocks are not
+    compiled as under LowLevelZero, since Gemini's hooks on every layer would break their graph);
     ``fp8_communication=True`` reduce-scatters gradients in FP8 (``GeminiConfig.fp8_communication``). The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with
     ``config=`` raises.
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from cai.booster._compile import compile_fp8_blocks
 from cai.booster._precision import check_precision, precision_dtype
 from cai.booster._state import ModuleState, local_tensor
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
@@ -59,7 +60,8 @@ class LowLevelZeroConfig:
         loss_scale: dynamic loss scaling, used with ``"fp16"`` only (``cai.zero.LossScaleConfig``).
         cast_inputs: cast floating-point forward inputs to the working precision.
         use_fp8: run the model's linear layers (not the output head) in FP8 with row-wise dynamic scales
-            (``cai.kernels.convert_to_fp8``, at ``boost()``); the fp32 masters are unchanged.
+            (``cai.kernels.convert_to_fp8``, at ``boost()``); the fp32 masters are unchanged. On GPUs with FP8
+            tensor cores the decoder blocks are compiled too (``cai.booster.compile_blocks``).
 
     Example::
 
@@ -148,6 +150,7 @@ class LowLevelZeroPlugin(DPPluginBase):
             from cai.kernels import convert_to_fp8
 
             convert_to_fp8(model)
+            compile_fp8_blocks(model, ctx.device)
         names = param_names(model)
         place_replicated(model, ctx)
         dtype = precision_dtype(self.precision)
