@@ -1,6 +1,6 @@
 """cai-booster: the Booster facade and plugins (TorchDDP, TorchFSDP, LowLevelZero, Gemini), mixed precision,
-lazy initialisation, resumable distributed data loading, LoRA, activation checkpointing, compiled blocks, and the planner (``plan``,
-``largest_model``, ``cai plan``, ``Booster(plugin="auto")``)."""
+lazy initialisation, resumable distributed data loading, LoRA, activation checkpointing, compiled blocks, and the
+planner (``plan``, ``largest_model``, ``cai plan``, ``Booster(plugin="auto")``)."""
 
 from importlib.metadata import version as _version
 

@@ -19,11 +19,11 @@ operands) while the embedding, the loss and every sharding hook stay eager:
 - Where Inductor cannot build the graph (no C compiler, no Triton), one warning is logged and the blocks run
   eagerly from then on.
 
-`use_fp8=True` under LowLevelZero compiles the blocks by itself on GPUs with FP8 tensor cores: without it the six quantisations of
-each FP8 linear are separate kernels launched from Python, and FP8 was no faster than bf16 (1.01x on the
-Llama-3-8B shape); compiled, the quantisations fuse into their neighbours (1.14x there, 1.10x on 1B, one H200).
-A bf16 model gains nothing measurable from it on those shapes (93.4k against 93.8k tokens/s with cai's kernels
-on 1B), so it is not on by default there.
+`use_fp8=True` under LowLevelZero compiles the blocks by itself on GPUs with FP8 tensor cores. Without it the six
+quantisations of each FP8 linear are separate kernels launched from Python, and FP8 was no faster than bf16 (1.01x
+on the Llama-3-8B shape with checkpointing); compiled, the quantisations fuse into their neighbours (1.13x there,
+1.10x on 1B, one H200). A bf16 model gains nothing measurable from it on those shapes (93.4k against 93.8k
+tokens/s with cai's kernels on 1B), so it is not on by default there.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def compile_blocks(model: nn.Module) -> int:
 
     Blocks are found as :func:`activation_checkpointing` finds them: a Hugging Face model's decoder layers, or the
     items of the model's largest ``nn.ModuleList`` of one class. Call it before or after ``boost()``; it composes
-    with activation checkpointing, offload, cai kernels, FP8 layers and the data-parallel plugins' hooks.
+    with activation checkpointing, offload, cai kernels, FP8 layers and the plugins' hooks (Gemini's, on every
+    layer, break the graph into pieces: correct, but with little to gain).
     Parameters, names and state dicts are unchanged. ``TORCH_COMPILE_DISABLE=1`` turns every compilation off.
 
     Example:

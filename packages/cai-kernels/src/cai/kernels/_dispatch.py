@@ -58,9 +58,7 @@ def _requested_impl() -> str:
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether the Triton kernel runs for `tensor` (see [Note: implementation choice])."""
-    if (
-        torch.compiler.is_compiling()
-    ):  # dynamo traces the torch path, which Inductor fuses with its neighbours
+    if torch.compiler.is_compiling():  # dynamo traces the torch path; Inductor fuses it with its neighbours
         return False
     impl = _requested_impl()
     if impl == "torch":

@@ -43,14 +43,15 @@ class GeminiPlugin(DPPluginBase):
     ``max_prefetch=0``, the loss scaler (``initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
     growth_interval=1000, hysteresis=2, max_scale=2**32``), ``max_norm=0.0``, ``norm_type=2.0``.
     ``chunk_init_device``, ``strict_ddp_mode``, ``enable_async_reduce`` and ``verbose`` are ignored.
-    ``enable_gradient_accumulation=True`` turns the overlapped host step off (below). ``enable_all_optimization``, ``enable_fused_normalization``, ``enable_jit_fused``
-    and ``enable_flash_attention`` apply cai-kernels' fused norms, SwiGLU, rotary and loss to the model at
-    ``boost()`` (``cai.kernels.patch_hf_model``). Tensor parallelism (``tp_size > 1``), ``extra_dp_size > 1``,
-    ``memstats``, ``gpu_margin_mem_ratio``, ``master_weights=False`` and ``force_outputs_fp32`` raise with what
-    to use instead. ``use_fp8=True`` runs the linear layers in FP8 (``cai.kernels.convert_to_fp8``; the blocks are not
-    compiled as under LowLevelZero, since Gemini's hooks on every layer would break their graph);
-    ``fp8_communication=True`` reduce-scatters gradients in FP8 (``GeminiConfig.fp8_communication``). The tables are in ``cai/booster/plugin/_compat.py``; a keyword that disagrees with
-    ``config=`` raises.
+    ``enable_gradient_accumulation=True`` turns the overlapped host step off (below). ``enable_all_optimization``,
+    ``enable_fused_normalization``, ``enable_jit_fused`` and ``enable_flash_attention`` apply cai-kernels' fused
+    norms, SwiGLU, rotary and loss to the model at ``boost()`` (``cai.kernels.patch_hf_model``). Tensor
+    parallelism (``tp_size > 1``), ``extra_dp_size > 1``, ``memstats``, ``gpu_margin_mem_ratio``,
+    ``master_weights=False`` and ``force_outputs_fp32`` raise with what to use instead. ``use_fp8=True`` runs the
+    linear layers in FP8 (``cai.kernels.convert_to_fp8``; the blocks are not compiled as under LowLevelZero, since
+    Gemini's hooks on every layer would break their graph); ``fp8_communication=True`` reduce-scatters gradients in
+    FP8 (``GeminiConfig.fp8_communication``). The tables are in ``cai/booster/plugin/_compat.py``; a keyword that
+    disagrees with ``config=`` raises.
 
     cai's own: ``overlap_host_step=None``: with optimizer chunks on the host, update each one on a worker thread as
     soon as backward has reduced its gradient; None (the default) turns it on wherever it is exact (``max_norm=0``
