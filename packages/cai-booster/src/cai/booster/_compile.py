@@ -84,8 +84,10 @@ def compile_blocks(model: nn.Module) -> int:
         if not isinstance(block, _CompiledForward):
             block.__class__ = with_mixin(_CompiledForward, type(block))
         block.__dict__["_cai_compiled"] = True
-    configs = [getattr(m, "config", None) for m in model.modules()]  # also under a plugin's wrapper
-    for config in [c for c in configs if getattr(c, "use_cache", False)]:
+    for module in model.modules():  # also under a plugin's wrapper; modules of one model share its config
+        config = getattr(module, "config", None)
+        if not getattr(config, "use_cache", False):
+            continue
         config.use_cache = False
         logger.info(
             "cai compile_blocks: config.use_cache set to False (a training KV cache recompiles per block)"
