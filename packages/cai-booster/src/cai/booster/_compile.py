@@ -55,10 +55,10 @@ class _CompiledForward:
     def forward(self, *args, **kwargs):
         global _failed
         eager = super().forward
-        if not self.training or _failed or "_cai_compiled" not in self.__dict__:
+        if not self.training or _failed:
             return eager(*args, **kwargs)
         try:
-            return _compiled(super(_CompiledForward, type(self)).forward)(self, *args, **kwargs)
+            return _compiled(eager.__func__)(self, *args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
             # raised while building the graph, before it runs: the call can be redone eagerly
             _failed = True
@@ -83,7 +83,6 @@ def compile_blocks(model: nn.Module) -> int:
     for block in blocks:
         if not isinstance(block, _CompiledForward):
             block.__class__ = with_mixin(_CompiledForward, type(block))
-        block.__dict__["_cai_compiled"] = True
     for module in model.modules():  # also under a plugin's wrapper; modules of one model share its config
         config = getattr(module, "config", None)
         if not getattr(config, "use_cache", False):
@@ -99,7 +98,9 @@ def compile_fp8_blocks(model: nn.Module, device: torch.device) -> int:
     """What ``use_fp8=True`` adds on a GPU with FP8 tensor cores (compute capability 8.9 or more): the blocks
     compiled (see [Note: compiled blocks]); returns how many. Elsewhere, or in a model without repeated blocks, the
     FP8 layers run eagerly and this returns 0."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+    from cai.kernels import fp8_tensor_cores
+
+    if not fp8_tensor_cores(device):
         return 0
     try:
         return compile_blocks(model)

@@ -10,7 +10,14 @@ Every kernel function picks the Triton kernel for CUDA tensors and a pure-torch 
 from importlib.metadata import version as _version
 
 from cai.kernels._dispatch import kernel_report, use_triton
-from cai.kernels._fp8 import Fp8Linear, convert_to_fp8, fp8_linear, fp8_matmul, quantize_rowwise
+from cai.kernels._fp8 import (
+    Fp8Linear,
+    convert_to_fp8,
+    fp8_linear,
+    fp8_matmul,
+    fp8_tensor_cores,
+    quantize_rowwise,
+)
 from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._gemv import gemv
 from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, is_swiglu_mlp, patch_hf_model
@@ -34,6 +41,7 @@ __all__ = [
     "defer_lm_head_loss",
     "fp8_linear",
     "fp8_matmul",
+    "fp8_tensor_cores",
     "fused_linear_cross_entropy",
     "gemv",
     "grouped_linear",

@@ -51,7 +51,7 @@ from torch import nn
 
 from cai.kernels._dispatch import use_triton
 
-__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear", "fp8_matmul", "quantize_rowwise"]
+__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear", "fp8_matmul", "fp8_tensor_cores", "quantize_rowwise"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +151,17 @@ def _fp8_tensor_cores(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9) and hasattr(torch, "_scaled_mm")
 
 
-def _scaled_mm_ok(a: torch.Tensor) -> bool:
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether the FP8 linears' products run on ``device``'s FP8 tensor cores (``torch._scaled_mm``): a CUDA device
+    of compute capability 8.9 or more. Elsewhere they are emulated (see [Note: fp8 linear])."""
+    if device.type != "cuda":
+        return False
     # asked three times a linear a step: the device's answer is looked up once
-    return a.is_cuda and _fp8_tensor_cores(a.device.index if a.device.index is not None else 0)
+    return _fp8_tensor_cores(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _scaled_mm_ok(a: torch.Tensor) -> bool:
+    return fp8_tensor_cores(a.device)
 
 
 def _scaled_product(qa, sa, qb, sb, out_dtype: torch.dtype) -> torch.Tensor:
