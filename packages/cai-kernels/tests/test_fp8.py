@@ -1,6 +1,6 @@
-"""FP8 linear layers: row-wise quantisation within e4m3's rounding error, the emulated matmul equal to the product of
-the dequantised operands, forward and both gradients within FP8's known error of fp32, and a tiny Llama trained in
-FP8 to the fp32 run's loss band."""
+"""FP8 linear layers: row-wise and tensor-wise quantisation within FP8's rounding error, the emulated matmul equal to
+the product of the dequantised operands, forward and both gradients within FP8's known error of fp32 in both
+recipes, and a tiny Llama trained in FP8 to the fp32 run's loss band."""
 
 from __future__ import annotations
 
@@ -12,7 +12,16 @@ import torch
 from torch import nn
 
 from cai.kernels import Fp8Linear, convert_to_fp8, fp8_matmul, quantize_rowwise
-from cai.kernels._fp8 import E4M3, E5M2, GRAD_DTYPE, _quantize_rowwise_torch, _quantize_rowwise_triton
+from cai.kernels._fp8 import (
+    E4M3,
+    E5M2,
+    GRAD_DTYPE,
+    RECIPES,
+    TENSORWISE_GRAD_DTYPE,
+    _quantize_rowwise_torch,
+    _quantize_rowwise_triton,
+    _quantize_tensorwise_torch,
+)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -34,6 +43,23 @@ def test_rowwise_quantisation_error_is_fp8_rounding(dtype) -> None:
     tiny = {E4M3: 2.0**-9, E5M2: 2.0**-16}[dtype]  # the smallest subnormal, in units of the scale
     bound = torch.maximum(x.abs() * 2.0 ** -(mantissa + 1), tiny / 2 * scale)  # half an ulp
     assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_tensorwise_quantisation_has_one_scale_for_both_layouts(dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 80, generator=g) * torch.logspace(-2, 2, 48)[:, None]
+    q, scale = _quantize_tensorwise_torch(x, dtype)
+    fmax = torch.finfo(dtype).max
+    assert scale.dim() == 0 and q.float().abs().max() == fmax  # the tensor's amax maps to fp8's max
+    mantissa = {E4M3: 3, E5M2: 2}[dtype]
+    tiny = {E4M3: 2.0**-9, E5M2: 2.0**-16}[dtype]
+    bound = torch.maximum(x.abs() * 2.0 ** -(mantissa + 1), tiny / 2 * scale)
+    assert ((q.float() * scale - x).abs() <= bound * (1 + 1e-6)).all()
+    # a transposed view comes back row-major with the same scale and the same bytes, transposed
+    qt, scale_t = _quantize_tensorwise_torch(x.t(), dtype)
+    assert qt.is_contiguous() and torch.equal(scale_t, scale)
+    assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -71,11 +97,13 @@ def test_emulated_matmul_is_the_product_of_the_dequantised_operands() -> None:
     assert _rel(fp8_matmul(a, b, torch.float32), a @ b.t()) < 0.05  # e4m3 on both sides, K = 128
 
 
-def test_fp8_linear_forward_and_gradients_within_fp8_error(impl) -> None:
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_forward_and_gradients_within_fp8_error(impl, recipe) -> None:
     g = torch.Generator().manual_seed(2)
     ref = nn.Linear(128, 64, bias=True)
     fp8 = copy.deepcopy(ref)
     fp8.__class__ = Fp8Linear
+    fp8.recipe = recipe
     x = torch.randn(4, 16, 128, generator=g, requires_grad=True)
     x8 = x.detach().clone().requires_grad_(True)
     dy = torch.randn(4, 16, 64, generator=g)
@@ -116,11 +144,13 @@ def _train(model, steps: int = 40) -> list[float]:
     return losses
 
 
-def test_convert_keeps_parameters_and_a_tiny_llama_trains_to_the_fp32_band() -> None:
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_convert_keeps_parameters_and_a_tiny_llama_trains_to_the_fp32_band(recipe) -> None:
     base = _llama()
     model = copy.deepcopy(base)
     names = list(model.state_dict())
-    assert convert_to_fp8(model) == 2 * 7  # every projection; not the lm_head
+    assert convert_to_fp8(model, recipe=recipe) == 2 * 7  # every projection; not the lm_head
+    assert {m.recipe for m in model.modules() if isinstance(m, Fp8Linear)} == {recipe}
     assert type(model.lm_head) is nn.Linear and list(model.state_dict()) == names
     assert convert_to_fp8(nn.Sequential(nn.Linear(10, 16))) == 0  # features not multiples of 16 stay
     ref, got = _train(base), _train(model)
@@ -143,6 +173,8 @@ def _projections(monkeypatch, cache_size: int):
     monkeypatch.setattr(_fp8, "quantize_rowwise", counting)
     torch.manual_seed(0)
     layers = [Fp8Linear(48, 16, bias=False) for _ in range(3)]
+    for layer in layers:
+        layer.recipe = "rowwise"  # the eager path's cache serves row-wise quantisation
     x = torch.randn(4, 8, 48, requires_grad=True)
     h = x * 2.0  # an activation, as inside a model
     out = sum(layer(h) for layer in layers)
@@ -182,6 +214,44 @@ def test_whole_body_functions_are_the_eager_products() -> None:
     assert torch.equal(dw, fp8_matmul(dy.t(), x.t(), torch.float32, a_dtype=GRAD_DTYPE))
 
 
+def test_tensorwise_products_are_those_of_the_dequantised_operands() -> None:
+    # each of the three products multiplies operands quantised with one scale each, the transposed ones under the
+    # scale of the tensor they transpose; gradients in e5m2
+    from cai.kernels import _fp8
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(32, 48, generator=g) * torch.logspace(-1, 1, 32)[:, None]
+    w, dy = torch.randn(16, 48, generator=g), torch.randn(32, 16, generator=g)
+
+    def dequantised(t, dtype):
+        scale = t.abs().amax() / torch.finfo(dtype).max
+        return (t / scale).to(dtype).float() * scale
+
+    x_, w_, dy_ = dequantised(x, E4M3), dequantised(w, E4M3), dequantised(dy, TENSORWISE_GRAD_DTYPE)
+    torch.testing.assert_close(_fp8._forward_tensorwise(x, w, _fp8._emulated_product), x_ @ w_.t())
+    dx, dw = _fp8._backward_tensorwise(dy, x, w, _fp8._emulated_product)
+    torch.testing.assert_close(dx, dy_ @ w_)
+    torch.testing.assert_close(dw, dy_.t() @ x_)
+    # the layer's eager path on CPU is these bodies
+    xl = x.clone().requires_grad_(True)
+    wl = w.clone().requires_grad_(True)
+    out = _fp8.fp8_linear(xl, wl, recipe="tensorwise")
+    out.backward(dy)
+    assert torch.equal(out, _fp8._forward_tensorwise(x, w, _fp8._emulated_product))
+    assert torch.equal(xl.grad, dx) and torch.equal(wl.grad, dw)
+    with pytest.raises(ValueError, match="recipe 'blockwise' is not one of"):
+        _fp8.fp8_linear(x, w, recipe="blockwise")
+    with pytest.raises(ValueError, match="recipe 'blockwise' is not one of"):
+        convert_to_fp8(nn.Linear(16, 16), recipe="blockwise")
+
+
+def test_layers_already_fp8_keep_their_recipe() -> None:
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    assert convert_to_fp8(model, recipe="rowwise", skip=("1",)) == 1
+    assert convert_to_fp8(model) == 1  # a plugin's use_fp8 after the user's own conversion
+    assert (model[0].recipe, model[1].recipe) == ("rowwise", "tensorwise")
+
+
 def test_compiled_bodies_are_kept_to_a_few_shapes(monkeypatch) -> None:
     # the first _MAX_GRAPH_SHAPES shapes get graphs, later ones the eager path: no recompiling per batch length
     from cai.kernels import _fp8
@@ -216,7 +286,7 @@ def test_a_failed_compile_falls_back_to_the_eager_path(monkeypatch) -> None:
     w = torch.randn(16, 32, generator=g, dtype=torch.bfloat16, requires_grad=True)
     warned = []  # the logger itself: cai's log setup may stop records from reaching the root logger
     monkeypatch.setattr(_fp8.logger, "warning", lambda msg, *args: warned.append(msg % args))
-    y = _fp8.fp8_linear(x, w)
+    y = _fp8.fp8_linear(x, w, recipe="rowwise")
     y.float().square().sum().backward()
     assert calls == ["_forward_body"] and _fp8._compile_failed
     assert len(warned) == 1 and "running them eagerly (no compiler)" in warned[0]

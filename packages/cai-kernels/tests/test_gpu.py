@@ -157,6 +157,17 @@ def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear(monkeypatch):
     ]
     for got, want in zip(compiled, eager, strict=True):
         assert rel_err(got, want) < 1e-3
+    # the tensor-wise recipe (the layer's default): _scaled_mm with one scale an operand against its emulation
+    compiled = [
+        _fp8._in_graph(_fp8._forward_tensorwise, x2, lin.weight),
+        *_fp8._in_graph(_fp8._backward_tensorwise, dy2, x2, lin.weight),
+    ]
+    emulated = [
+        _fp8._forward_tensorwise(x2, lin.weight, _fp8._emulated_product),
+        *_fp8._backward_tensorwise(dy2, x2, lin.weight, _fp8._emulated_product),
+    ]
+    for got, want in zip(compiled, emulated, strict=True):
+        assert rel_err(got, want) < 1e-2
 
 
 def test_rope_kv_write_is_bitwise_rotary_then_kv_write_on_decode_shapes():

@@ -41,13 +41,15 @@ def _check_sp(mode):
 def _linear(layer: Linear1D_Col | Linear1D_Row, x, weight, bias=None) -> torch.Tensor:
     """The layer's local product: in FP8 in training once ``enable_fp8`` has set ``layer.fp8``."""
     if layer.fp8 and layer.training:
-        return fp8_linear(x, weight, bias)
+        # row-wise: one scale per row is the same on every shard of a split weight, one per tensor would not be
+        return fp8_linear(x, weight, bias, recipe="rowwise")
     return F.linear(x, weight, bias)
 
 
 def enable_fp8(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",)) -> int:
     """Run the local matmuls (forward and both backward products) of ``model``'s column- and row-parallel layers in
-    FP8 with row-wise dynamic scales (``cai.kernels.fp8_linear``) in training; returns how many layers.
+    FP8 with row-wise dynamic scales (``cai.kernels.fp8_linear(recipe="rowwise")``: a per-tensor scale would differ
+    between shards) in training; returns how many layers.
 
     Skipped, as by ``cai.kernels.convert_to_fp8``: names ending in one of ``skip`` (the output head) and layers whose
     local features are not multiples of 16. The communication around the products stays in the working dtype. A

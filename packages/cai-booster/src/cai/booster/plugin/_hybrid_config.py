@@ -106,9 +106,10 @@ class HybridParallelConfig:
         activation_offload: the leading fraction of each stage's blocks whose activations wait in pinned host
             memory instead (copied on a side stream; ``activation_checkpointing(offload=...)``); checkpointing
             then applies to the blocks after them.
-        use_fp8: run the linear layers' matmuls (not the output head) in FP8 with row-wise dynamic scales in
-            training: the tensor-parallel layers' local products (``cai.shardformer.enable_fp8``) and any plain
-            ``nn.Linear`` left (``cai.kernels.convert_to_fp8``); their communication stays in the working dtype.
+        use_fp8: run the linear layers' matmuls (not the output head) in FP8 with dynamic scales in training:
+            the tensor-parallel layers' local products (``cai.shardformer.enable_fp8``, row-wise scales) and any
+            plain ``nn.Linear`` left (``cai.kernels.convert_to_fp8``, tensor-wise); their communication stays in
+            the working dtype.
             Set ``zero=ZeroConfig(fp8_communication=True)`` (Colossal-AI's ``fp8_communication``) to reduce the
             data-parallel gradients in FP8.
 

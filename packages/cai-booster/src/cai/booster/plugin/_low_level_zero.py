@@ -59,8 +59,9 @@ class LowLevelZeroConfig:
             weights are kept in the optimizer whatever this is.
         loss_scale: dynamic loss scaling, used with ``"fp16"`` only (``cai.zero.LossScaleConfig``).
         cast_inputs: cast floating-point forward inputs to the working precision.
-        use_fp8: run the model's linear layers (not the output head) in FP8 with row-wise dynamic scales
-            (``cai.kernels.convert_to_fp8``, at ``boost()``); the fp32 masters are unchanged. On GPUs with FP8
+        use_fp8: run the model's linear layers (not the output head) in FP8 with dynamic scales
+            (``cai.kernels.convert_to_fp8``, at ``boost()``; tensor-wise, or what an earlier
+            ``convert_to_fp8(model, recipe=...)`` chose); the fp32 masters are unchanged. On GPUs with FP8
             tensor cores the decoder blocks are compiled too (``cai.booster.compile_blocks``).
 
     Example::
