@@ -177,7 +177,9 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.compiler.is_compiling():  # dynamo reads the capability as a constant, but warns at a cached function
+    if (
+        torch.compiler.is_compiling()
+    ):  # dynamo reads the capability as a constant, but warns at a cached function
         return _fp8_tensor_cores.__wrapped__(index)
     # asked three times a linear a step: the device's answer is looked up once
     return _fp8_tensor_cores(index)
@@ -253,7 +255,10 @@ def _backward_tensorwise(
     return dx, product(qdt, sd, qxt, sx, weight.dtype)
 
 
-_BODIES = {"rowwise": (_forward_body, _backward_body), "tensorwise": (_forward_tensorwise, _backward_tensorwise)}
+_BODIES = {
+    "rowwise": (_forward_body, _backward_body),
+    "tensorwise": (_forward_tensorwise, _backward_tensorwise),
+}
 RECIPES = tuple(_BODIES)
 
 
@@ -319,7 +324,9 @@ def _eager_product(x2: torch.Tensor, weight: torch.Tensor):
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str
+    ) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         forward_body = _BODIES[recipe][0]
@@ -381,7 +388,9 @@ class Fp8Linear(nn.Linear):
         return fp8_linear(x, self.weight, self.bias, self.recipe)
 
 
-def convert_to_fp8(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",), recipe: str = "tensorwise") -> int:
+def convert_to_fp8(
+    model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",), recipe: str = "tensorwise"
+) -> int:
     """Turn ``model``'s ``nn.Linear`` layers into :class:`Fp8Linear`, in place; returns how many.
 
     Skipped: module names ending in one of ``skip`` (the output head by default: its logits feed the loss and
