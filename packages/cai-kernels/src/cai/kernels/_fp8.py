@@ -18,11 +18,11 @@ the matmul inputs are quantised, each time.
   row's range, so e4m3's extra mantissa bit is worth more than e5m2's range. cai-shardformer's tensor-parallel
   layers use it because a row's scale is the same on every shard of a column-split weight, so a slice's product is
   the unsharded layer's exactly; one scale per tensor would differ between shards.
-Measured on one H200 with compiled blocks (examples/benchmarks/RESULTS.md), tensor-wise against row-wise, each
-against the bf16 row of its own run: 1B b8 s2048 1.22x against 1.10x bf16; Llama-3-8B shape b2 s2048 with
-checkpointing 1.16x against 1.15x. On the main job's 16-32 digit task (1B, 300 steps, one seed), the tensor-wise
-run's loss stayed within 1.0% of bf16's at steps 50-125 and ended at 0.0067 against bf16's 0.0060 (row-wise
-0.0092); exact match 96.1% against 96.9% (row-wise 94.1%).
+Measured on one H200 with compiled blocks (examples/benchmarks/RESULTS.md), each recipe against the bf16 row of
+its own run: 1B b8 s2048 1.22x bf16 tensor-wise against 1.10x row-wise; Llama-3-8B shape b2 s2048 with
+checkpointing 1.16x against 1.15x. On the main job's 16-32 digit task (1B, 300 steps, two seeds) the tensor-wise
+loss stayed within 1.0% of bf16's at steps 50-100 and ended at 0.0067 and 0.0100 against bf16's 0.0060 and 0.0218
+(row-wise 0.0092 and 0.0077); exact match 96.1% and 95.3% against 96.9% and 86.7%.
 
 On the eager row-wise path, projections that read the same input (q, k and v; gate and up) would quantise it once
 each, in forward and again (transposed) for their weight gradients. The last few quantisations of activations are kept, keyed by the storage's
