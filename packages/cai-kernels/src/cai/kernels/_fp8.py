@@ -21,33 +21,34 @@ the matmul inputs are quantised, each time.
 Measured on one H200 with compiled blocks (examples/benchmarks/RESULTS.md), each recipe against the bf16 row of
 its own run: 1B b8 s2048 1.22x bf16 tensor-wise against 1.10x row-wise; Llama-3-8B shape b2 s2048 with
 checkpointing 1.16x against 1.15x. On the main job's 16-32 digit task (1B, 300 steps, two seeds) the tensor-wise
-loss stayed within 1.0% of bf16's at steps 50-100 and ended at 0.0067 and 0.0100 against bf16's 0.0060 and 0.0218
+loss stayed within 0.8% of bf16's at steps 50-100 and ended at 0.0067 and 0.0100 against bf16's 0.0060 and 0.0218
 (row-wise 0.0092 and 0.0077); exact match 96.1% and 95.3% against 96.9% and 86.7%.
 
 On the eager row-wise path, projections that read the same input (q, k and v; gate and up) would quantise it once
-each, in forward and again (transposed) for their weight gradients. The last few quantisations of activations are kept, keyed by the storage's
-address, the layout, the version counter and the target dtype; an entry holds the storage, so no other tensor can
-take that address while it lives, and an in-place change bumps the version: a hit is the same bytes quantised the
-same way. Leaves are never kept: parameters (whose flat ZeRO buffers are rewritten without their version changing)
-and gradients (each read once).
+each, in forward and again (transposed) for their weight gradients. The last few quantisations of activations are
+kept, keyed by the storage's address, the layout, the version counter and the target dtype; an entry holds the
+storage, so no other tensor can take that address while it lives, and an in-place change bumps the version: a hit is
+the same bytes quantised the same way. Leaves are never kept: parameters (whose flat ZeRO buffers are rewritten
+without their version changing) and gradients (each read once).
 
 [Note: fp8 host time]
 An FP8 linear is six quantisations and three matmuls where the bf16 one is three matmuls. Launched one by one from
 Python (Triton's launcher, allocations, ``_scaled_mm``'s checks), that measured 1.36 ms of host time per linear on
 an H200 host, whatever the shape: more than the GPU needs for a 4096 x 4096 projection of 4,096 tokens, so the GPU
 waited. Where ``_scaled_mm`` runs all three products (CUDA, bf16 operands, every dimension a multiple of 16), the
-forward and the backward of a linear are instead each one ``torch.compile``d function (``_forward_body``,
-``_backward_body``): Inductor fuses each quantisation into one kernel and launches them from generated code, one
-Python call per direction. The graphs are static, one per shape (tokens x in x out; a decoder has four or five
-projection shapes): marking the token count dynamic cost both host and GPU time (1.65 against 0.90 ms of host time
-and 1.54 against 1.11 ms in all for a 4096 x 4096 x 4096 linear). The first ``_MAX_GRAPH_SHAPES`` shapes get
-graphs and later ones take the eager path, so batches of many lengths do not recompile without end; where
-compiling fails (no Triton or C compiler for Inductor), one warning is logged and every linear runs eagerly; in a
-model that its caller compiles, the bodies join the caller's graph (with no limit on shapes, and no cache: a graph
-has no storage addresses). The bodies quantise every operand themselves (the cache above serves the eager path
-only). Host time per linear on an H200 host drops from about 1.36 ms to 0.9-1.1 ms this way, still four to five
-times the bf16 linear's: that is why ``LowLevelZeroPlugin(use_fp8=True)`` compiles whole decoder blocks
-(``cai.booster.compile_blocks``), where the quantisations also fuse into the norms and activations around them.
+forward and the backward of a linear are instead each one ``torch.compile``d function (``_forward_body`` and
+``_backward_body`` row-wise, ``_forward_tensorwise`` and ``_backward_tensorwise``): Inductor fuses each quantisation
+into one kernel and launches them from generated code, one Python call per direction. The graphs are static, one per
+shape (tokens x in x out; a decoder has four or five projection shapes): marking the token count dynamic cost both
+host and GPU time (1.65 against 0.90 ms of host time and 1.54 against 1.11 ms in all for a 4096 x 4096 x 4096
+linear). The first ``_MAX_GRAPH_SHAPES`` shapes get graphs and later ones take the eager path, so batches of many
+lengths do not recompile without end; where compiling fails (no Triton or C compiler for Inductor), one warning is
+logged and every linear runs eagerly; in a model that its caller compiles, the bodies join the caller's graph (with
+no limit on shapes, and no cache: a graph has no storage addresses). The bodies quantise every operand themselves
+(the cache above serves the eager path only). Host time per linear on an H200 host drops from about 1.36 ms to
+0.9-1.1 ms this way, still four to five times the bf16 linear's: that is why ``LowLevelZeroPlugin(use_fp8=True)``
+compiles whole decoder blocks (``cai.booster.compile_blocks``), where the quantisations also fuse into the norms and
+activations around them.
 """
 
 from __future__ import annotations
@@ -177,9 +178,8 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if (
-        torch.compiler.is_compiling()
-    ):  # dynamo reads the capability as a constant, but warns at a cached function
+    # under dynamo, the uncached function: dynamo reads the capability as a constant but warns at a cached one
+    if torch.compiler.is_compiling():
         return _fp8_tensor_cores.__wrapped__(index)
     # asked three times a linear a step: the device's answer is looked up once
     return _fp8_tensor_cores(index)
