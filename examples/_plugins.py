@@ -134,10 +134,28 @@ class HybridLayout:
         return self.num_microbatches or self.microbatch_size or 1
 
 
-def check_fp8(plugin: str) -> None:
-    """``--fp8`` (``use_fp8=True``) exists on LowLevelZero, Gemini and HybridParallel: an error for any other."""
+FP8_RECIPES = ("tensorwise", "rowwise")  # cai.kernels.convert_to_fp8's recipes, the default first
+
+
+def check_fp8(plugin: str, recipe: str = "tensorwise") -> None:
+    """``--fp8`` (``use_fp8=True``) exists on LowLevelZero, Gemini and HybridParallel: an error for any other.
+    ``--fp8-recipe rowwise`` is applied before ``boost()`` (``convert_to_fp8(model, recipe=...)``), which the
+    hybrid plugin's sharding does not take: its tensor-parallel layers are row-wise anyway."""
     if plugin not in ("zero1", "zero2", "gemini", "hybrid"):
         raise ValueError(f"--fp8 applies to zero1, zero2, gemini and hybrid, not --plugin {plugin}")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"--fp8-recipe {recipe!r} is not one of {', '.join(FP8_RECIPES)}")
+    if recipe != "tensorwise" and plugin == "hybrid":
+        raise ValueError(f"--fp8-recipe {recipe} applies to zero1, zero2 and gemini, not --plugin hybrid")
+
+
+def convert_fp8_before_boost(model, choice: PluginChoice) -> None:
+    """A recipe other than the plugins' default: the linear layers converted before ``boost()``, whose
+    ``use_fp8=True`` then keeps them as they are."""
+    if choice.use_fp8 and choice.fp8_recipe != "tensorwise":
+        from cai.kernels import convert_to_fp8
+
+        convert_to_fp8(model, recipe=choice.fp8_recipe)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -157,6 +175,7 @@ class PluginChoice:
     offload_param_frac: float = 0.0
     hybrid: HybridLayout | None = None  # --plugin hybrid's sizes (default: tp 1, pp 1, ZeRO-1)
     use_fp8: bool = False  # FP8 linear layers (LowLevelZero, Gemini and HybridParallel)
+    fp8_recipe: str = "tensorwise"  # with use_fp8: how the FP8 operands are scaled (convert_fp8_before_boost)
     options: Mapping[str, Any] = field(default_factory=dict)  # more keyword arguments for the plugin
 
     def __post_init__(self) -> None:
@@ -177,7 +196,7 @@ class PluginChoice:
         if self.cpu_offload and self.name not in ("zero1", "zero2", "fsdp"):
             raise ValueError(f"--cpu-offload applies to zero1, zero2 and fsdp, not --plugin {self.name}")
         if self.use_fp8:
-            check_fp8(self.name)
+            check_fp8(self.name, self.fp8_recipe)
         if self.hybrid is not None and self.name != "hybrid":
             raise ValueError(
                 f"--tp/--pp/--sp/--sp-mode/--zero-stage/--microbatches are HybridParallelPlugin's; got --plugin "
@@ -202,6 +221,7 @@ class PluginChoice:
                 "hybrid": f"HybridParallel {self.hybrid.describe()}" if self.hybrid else "HybridParallel",
             }.get(self.name, "Gemini")
             + (" FP8" if self.use_fp8 else "")
+            + (f" {self.fp8_recipe}" if self.use_fp8 and self.fp8_recipe != "tensorwise" else "")
             + "".join(f", {k}={v}" for k, v in self.options.items())
         )
 

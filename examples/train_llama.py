@@ -41,7 +41,16 @@ from _digits import BOS, EOS, PAD, VOCAB_SIZE, DigitReversal, DigitTask, collate
 from _launch import default_nproc, launched_externally, resolve_device, run
 from _models import digit_llama_config
 from _perf import ModelShape, ProgressBar, Throughput, peak_memory_gib, synchronize
-from _plugins import PLUGINS, SP_MODES, HybridLayout, PluginChoice, check_fp8, make_booster
+from _plugins import (
+    FP8_RECIPES,
+    PLUGINS,
+    SP_MODES,
+    HybridLayout,
+    PluginChoice,
+    check_fp8,
+    convert_fp8_before_boost,
+    make_booster,
+)
 
 PROBE_SEED, EVAL_SEED = 10_000_019, 20_000_003  # held-out data: far from the training seeds
 
@@ -97,6 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="FP8 linear layers (use_fp8=True; zero1, zero2, gemini and hybrid; matmuls on FP8 tensor cores from "
         "compute capability 8.9, emulated elsewhere)",
     )
+    p.add_argument(
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        default=FP8_RECIPES[0],
+        help="with --fp8: one scale per tensor (the plugins' default) or per row (cai.kernels.convert_to_fp8)",
+    )
     p.add_argument("--log-every", type=int, default=10)
     hybrid = p.add_argument_group("--plugin hybrid (HybridParallelPlugin; dp = world / (tp x pp x sp))")
     hybrid.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 1)")
@@ -127,7 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--save-at {args.save_at} must be in [0, --steps {args.steps}]")
     try:
         if args.fp8:
-            check_fp8(args.plugin)
+            check_fp8(args.plugin, args.fp8_recipe)
+        elif args.fp8_recipe != FP8_RECIPES[0]:
+            raise ValueError(f"--fp8-recipe {args.fp8_recipe} needs --fp8")
         args.layout = hybrid_layout(args)
         args.world = world_size(args)
         dp = args.layout.dp_size(args.world) if args.layout else args.world
@@ -212,6 +229,7 @@ class Run:
             max_norm=args.max_norm,
             hybrid=args.layout,
             use_fp8=args.fp8,
+            fp8_recipe=args.fp8_recipe,
         )
         # Sequence parallelism cuts every sequence evenly: batches are right-padded to a multiple of this.
         self.seq_multiple = args.layout.seq_multiple if args.layout else 1
@@ -237,6 +255,7 @@ class Run:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.config, self.shape = config, ModelShape.of(model, config)
 
+        convert_fp8_before_boost(model, self.choice)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmupDecay(args.warmup, args.steps))
         self.booster = make_booster(self.choice)

@@ -52,14 +52,17 @@ def test_train_llama_trains_checkpoints_resumes_and_reports_accuracy(tmp_path: P
 
 
 @pytest.mark.slow
-def test_train_llama_fp8_trains_in_one_process() -> None:
-    """--fp8 (use_fp8=True): the emulated FP8 linear layers on CPU, one process, no checkpoint."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_train_llama_fp8_trains_in_one_process(recipe: str) -> None:
+    """--fp8 (use_fp8=True): the emulated FP8 linear layers on CPU, one process, no checkpoint; --fp8-recipe
+    rowwise converts them before boost() and the plugin keeps them."""
     out = _run(
-        [str(EXAMPLES / "train_llama.py"), "--fp8", "--nproc", "1", "--steps", "30", "--save-at", "0",
-         "--log-every", "10", "--eval-samples", "8"],
+        [str(EXAMPLES / "train_llama.py"), "--fp8", "--fp8-recipe", recipe, "--nproc", "1", "--steps", "30",
+         "--save-at", "0", "--log-every", "10", "--eval-samples", "8"],
         timeout=300,
     )  # fmt: skip
-    assert "plugin LowLevelZero-2 FP8 (fp32) | 1 x cpu (gloo)" in out, out
+    label = "FP8" if recipe == "tensorwise" else "FP8 rowwise"
+    assert f"plugin LowLevelZero-2 {label} (fp32) | 1 x cpu (gloo)" in out, out
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) \|", out)]
     assert "step 30/30" in out and losses[-1] < losses[0], f"loss did not go down: {losses}\n{out}"
 
@@ -212,8 +215,11 @@ def test_finetune_hf_lora_adapter_reloads_with_peft(tmp_path: Path) -> None:
         ("--plugin hybrid --pp 2 --microbatches 5", "32 sequences, which do not cut into --microbatches 5"),
         ("--plugin hybrid --sp-mode ring", "--sp-mode ring splits the sequence over the tp group"),
         ("--plugin ddp --fp8", "--fp8 applies to zero1, zero2, gemini and hybrid, not --plugin ddp"),
+        ("--plugin hybrid --fp8 --fp8-recipe rowwise", "--fp8-recipe rowwise applies to zero1, zero2 and gemini, not --plugin hybrid"),
+        ("--fp8-recipe rowwise", "--fp8-recipe rowwise needs --fp8"),
     ],
-    ids=["not-hybrid", "world", "heads", "layers", "zero2-pp", "microbatches", "sp-mode", "fp8-ddp"],
+    ids=["not-hybrid", "world", "heads", "layers", "zero2-pp", "microbatches", "sp-mode", "fp8-ddp", "fp8-recipe-hybrid",
+         "fp8-recipe-alone"],
 )  # fmt: skip
 def test_train_llama_rejects_hybrid_flags_that_do_not_fit(flags: str, error: str, capsys) -> None:
     from train_llama import parse_args

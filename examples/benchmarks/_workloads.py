@@ -216,7 +216,7 @@ def cai(
     Run it after the peers: ``patch_hf_model`` replaces the rotary function of the transformers modeling module
     for the whole process, which would otherwise leak into the peers' models.
     """
-    from _plugins import make_booster
+    from _plugins import convert_fp8_before_boost, make_booster
 
     from cai.kernels.optim import HybridAdam
 
@@ -236,6 +236,7 @@ def cai(
         from cai.kernels import patch_hf_model
 
         patch_hf_model(model)
+    convert_fp8_before_boost(model, choice)
     if choice.name == "fsdp":
         # HybridAdam's host kernel does not take FSDP2's DTensor parameters (it crashes the process on CPU);
         # torch's AdamW is what FSDP2 users run anyway.

@@ -4,7 +4,7 @@
 For every projection of `benchmark.py`'s 1B preset (16,384 tokens: b8 s2048) and the Llama-3-8B shape (4,096
 tokens: b2 s2048), timed as
 the median of `triton.testing.do_bench`: the bf16 `F.linear` forward and backward, the same through
-`cai.kernels.fp8_linear`, and the pieces of the FP8 one: the row-wise quantisation of an activation (row-major)
+`cai.kernels.fp8_linear` with row-wise scales (`recipe="rowwise"`, whose quantiser this dissects), and the pieces of the FP8 one: the row-wise quantisation of an activation (row-major)
 and of a gradient operand (a transposed view), cai-kernels' Triton quantiser beside the same torch expression under
 `torch.compile`, and the bare `torch._scaled_mm` against the bare bf16 matmul. The FP8 linear is timed twice: as
 it runs by default on the GPU (two compiled bodies, [Note: fp8 host time] in `cai.kernels._fp8`) and on its eager
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import time
 
@@ -29,6 +30,8 @@ import triton.testing
 
 from cai.kernels import _fp8 as fp8_impl
 from cai.kernels import fp8_linear, quantize_rowwise
+
+rowwise_linear = functools.partial(fp8_linear, recipe="rowwise")
 
 # (tokens, hidden, kv width, ffn) of a micro-batch
 MODELS = {"1b": (16384, 2048, 2048, 5632), "8b": (4096, 4096, 1024, 14336)}
@@ -97,11 +100,11 @@ def row(tokens: int, n_in: int, n_out: int, compiled_quantize) -> dict:
         return run
 
     bf16 = ms(step(F.linear))
-    fp8 = ms(fresh(step(fp8_linear)))
-    fp8_host = host_us(fresh(step(fp8_linear)))
+    fp8 = ms(fresh(step(rowwise_linear)))
+    fp8_host = host_us(fresh(step(rowwise_linear)))
     with eager_path():
-        fp8_eager = ms(fresh(step(fp8_linear)))
-        fp8_eager_host = host_us(fresh(step(fp8_linear)))
+        fp8_eager = ms(fresh(step(rowwise_linear)))
+        fp8_eager_host = host_us(fresh(step(rowwise_linear)))
     qx, sx = quantize_rowwise(x.detach())
     qw, sw = quantize_rowwise(w.detach())
     return {

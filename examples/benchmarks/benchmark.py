@@ -149,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="zero1/zero2/gemini: also time each such plugin with use_fp8=True (FP8 linear layers), one row more each",
     )
+    p.add_argument(
+        "--fp8-recipe",
+        choices=("tensorwise", "rowwise"),
+        default="tensorwise",
+        help="the --fp8 rows' scales: one per tensor (the plugins' default) or per row (cai.kernels.convert_to_fp8)",
+    )
     p.add_argument("--cpu-offload", action="store_true", help="optimizer offload (zero1/zero2/fsdp)")
     p.add_argument(
         "--plugin-options",
@@ -192,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.layout = hybrid_layout(args)
     except ValueError as e:
         p.error(str(e))
+    if args.fp8_recipe != "tensorwise" and not args.fp8:
+        p.error(f"--fp8-recipe {args.fp8_recipe} needs --fp8")
     if not isinstance(args.plugin_options, dict):
         p.error(f"--plugin-options {args.plugin_options!r}: give a JSON object of keyword arguments")
     args.peers = [x for x in args.peers.split(",") if x]
@@ -385,7 +393,11 @@ def main(args: argparse.Namespace) -> None:
         for name in args.plugins
     ]  # fmt: skip
     if args.fp8:
-        choices += [replace(c, use_fp8=True) for c in choices if c.name in ("zero1", "zero2", "gemini")]
+        choices += [
+            replace(c, use_fp8=True, fp8_recipe=args.fp8_recipe)
+            for c in choices
+            if c.name in ("zero1", "zero2", "gemini")
+        ]
     config = preset_config(args.config, max_seq=args.max_length)
     with torch.device("meta"):
         shape = ModelShape.of(_workloads.LlamaForCausalLM(config), config)
