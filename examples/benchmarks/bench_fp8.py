@@ -1,16 +1,16 @@
 #!/usr/bin/env python
 """Where an FP8 linear layer's time goes, against bf16, for the linear shapes of a Llama training step.
 
-For every projection of `benchmark.py`'s 1B preset (16,384 tokens: b8 s2048) and the Llama-3-8B shape (4,096
-tokens: b2 s2048), timed as
-the median of `triton.testing.do_bench`: the bf16 `F.linear` forward and backward, the same through
-`cai.kernels.fp8_linear` with row-wise scales (`recipe="rowwise"`, whose quantiser this dissects), and the pieces of the FP8 one: the row-wise quantisation of an activation (row-major)
-and of a gradient operand (a transposed view), cai-kernels' Triton quantiser beside the same torch expression under
-`torch.compile`, and the bare `torch._scaled_mm` against the bare bf16 matmul. The FP8 linear is timed twice: as
-it runs by default on the GPU (two compiled bodies, [Note: fp8 host time] in `cai.kernels._fp8`) and on its eager
-path (one Triton quantiser launch per operand); "host us" is the issuing time per forward and backward, timed from
-the host with one synchronisation after 20 calls: where it exceeds the GPU time, the GPU waits. The FP8 quantisation
-cache is cleared before each call, as a training step meets new activations every time.
+For every projection of `benchmark.py`'s 1B preset (16,384 tokens: b8 s2048) and the Llama-3-8B shape (4,096 tokens:
+b2 s2048), timed as the median of `triton.testing.do_bench`: the bf16 `F.linear` forward and backward, the same
+through `cai.kernels.fp8_linear` with row-wise scales (`recipe="rowwise"`, whose quantiser this dissects), and the
+pieces of the FP8 one: the row-wise quantisation of an activation (row-major) and of a gradient operand (a
+transposed view), cai-kernels' Triton quantiser beside the same torch expression under `torch.compile`, and the bare
+`torch._scaled_mm` against the bare bf16 matmul. The FP8 linear is timed twice: as it runs by default on the GPU
+(two compiled bodies, [Note: fp8 host time] in `cai.kernels._fp8`) and on its eager path (one Triton quantiser
+launch per operand); "host us" is the issuing time per forward and backward, timed from the host with one
+synchronisation after 20 calls: where it exceeds the GPU time, the GPU waits. The FP8 quantisation cache is cleared
+before each call, as a training step meets new activations every time.
 
     python examples/benchmarks/bench_fp8.py              # both models, about a minute
     python examples/benchmarks/bench_fp8.py --model 8b --json fp8.json
