@@ -23,7 +23,8 @@ operands) while the embedding, the loss and every sharding hook stay eager:
 quantisations of each FP8 linear are separate kernels launched from Python, and FP8 was no faster than bf16 (1.01x
 on the Llama-3-8B shape with checkpointing); compiled, the quantisations fuse into their neighbours (1.16x there,
 1.22x on 1B with the default tensor-wise scales, one H200). A bf16 model gains nothing measurable from it on those
-shapes (93.4k against 93.8k tokens/s with cai's kernels on 1B), so it is not on by default there. """
+shapes (93.4k against 93.8k tokens/s with cai's kernels on 1B), so it is not on by default there.
+"""
 
 from __future__ import annotations
 
