@@ -179,12 +179,14 @@ def _global_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     return float((g - w).norm() / w.norm())
 
 
-def test_fp8_layers_compile_to_the_eager_emulation() -> None:
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_layers_compile_to_the_eager_emulation(recipe: str) -> None:
     from cai.kernels import Fp8Linear, convert_to_fp8
 
     fp32 = _llama(layers=2)
     ref = copy.deepcopy(fp32)
-    assert convert_to_fp8(ref) == 2 * 7  # hidden 64, kv 32, intermediate 128: every projection but lm_head
+    # hidden 64, kv 32, intermediate 128: every projection but lm_head
+    assert convert_to_fp8(ref, recipe=recipe) == 2 * 7
     model = copy.deepcopy(ref)
     assert compile_blocks(model) == 2
     assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
@@ -281,11 +283,12 @@ def test_compile_blocks_after_boost_turns_the_cache_off() -> None:
 
 
 @pytest.mark.usefixtures("_eager_backend")
-def test_fp8_layers_trace_into_the_block_graph() -> None:
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_layers_trace_into_the_block_graph(recipe: str) -> None:
     from cai.kernels import convert_to_fp8
 
     model = _llama(layers=2)
-    convert_to_fp8(model)
+    convert_to_fp8(model, recipe=recipe)
     compile_blocks(model)
     _step(model, _ids())
     assert not counters["graph_break"], dict(counters["graph_break"])
