@@ -9,11 +9,12 @@ both cases and reads its rank from the environment only.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
+
+from cai.mesh import free_port
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -47,11 +48,11 @@ def run(main: Callable, args, *, nproc: int) -> None:
         main(args)
         return
     if nproc == 1:
-        _set_env(rank=0, world_size=1, port=_free_port())
+        _set_env(rank=0, world_size=1, port=free_port())
         main(args)
         return
     # spawn (not fork): each worker starts a clean interpreter, as under torchrun.
-    mp.start_processes(_worker, args=(main, args, nproc, _free_port()), nprocs=nproc, start_method="spawn")
+    mp.start_processes(_worker, args=(main, args, nproc, free_port()), nprocs=nproc, start_method="spawn")
 
 
 def _worker(rank: int, main: Callable, args, world_size: int, port: int) -> None:
@@ -68,9 +69,3 @@ def _set_env(*, rank: int, world_size: int, port: int) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

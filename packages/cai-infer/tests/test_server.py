@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import pytest
 import tomllib
 import torch
 import transformers
+
+from cai.mesh import free_port
 
 pytest.importorskip("fastapi", reason="cai-infer[serve] is not installed")
 
@@ -67,12 +68,6 @@ def _entry_points(site: Path) -> None:
     (info / "entry_points.txt").write_text("[cai.cli]\n" + "".join(f"{k} = {v}\n" for k, v in table.items()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _events(response: httpx.Response) -> list[dict]:
     lines = [ln for ln in response.text.split("\n\n") if ln.strip()]
     assert lines[-1] == "data: [DONE]"
@@ -83,7 +78,7 @@ def test_cai_serve(tmp_path):
     model_dir = tmp_path / "tiny"
     tokenizer = _save_model(model_dir)
     _entry_points(tmp_path / "site")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cai.mesh import free_port
 from cai.mesh._cli import main
 from cai.mesh._cli_check import _report_kernels
 from cai.mesh._cli_run import read_hostfile, select_hosts
@@ -59,18 +59,12 @@ def _cai() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "cai.mesh._cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(cmd: list[str], *, env: dict[str, str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     """Run a real launch on a free master port; ``{port}`` in ``cmd`` is filled in. The port is only free when
     probed: another process (a parallel test worker) may take it before torchrun binds it, so a launch that fails
     with EADDRINUSE is retried once on a new port."""
     for attempt in range(2):
-        port = str(_free_port())
+        port = str(free_port())
         proc = subprocess.run(
             [port if a == "{port}" else a for a in cmd],
             env=env,
@@ -150,7 +144,7 @@ def test_cai_run_reports_host_command_and_remote_error(worker: Path) -> None:
         "--nproc_per_node",
         "1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(worker),
         "o",
         "x",
@@ -336,7 +330,7 @@ def test_cai_run_returns_the_failing_ranks_exit_code(tmp_path: Path) -> None:
 
 
 def test_cai_run_nnodes_reports_missing_nodes_and_gives_up(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     cmd = [*_cai(), "run", "--nproc_per_node", "1", "--nnodes", "2", "--master_port", str(port),
            "--rdzv_timeout", "4", "t.py"]  # fmt: skip
     start = time.monotonic()
@@ -353,7 +347,7 @@ def test_cai_run_nnodes_reports_missing_nodes_and_gives_up(tmp_path: Path) -> No
 
 def test_cai_run_nnodes_starts_when_the_last_node_joins(worker: Path) -> None:
     out = worker.parent / "out"
-    port = str(_free_port())
+    port = str(free_port())
 
     def node(rank: int) -> subprocess.Popen:
         cmd = [*_cai(), "run", "--nproc_per_node", "1", "--nnodes", "2", "--node_rank", str(rank),

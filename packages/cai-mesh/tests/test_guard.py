@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,17 +22,12 @@ from cai.mesh import (
     _guard,
     advance_step,
     current_step,
+    free_port,
     launch,
 )
 from cai.mesh.testing import CollectiveCounter, run_distributed
 
 TIMEOUT_S = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _relaunch(port: int, **kwargs) -> None:
@@ -83,7 +77,7 @@ def _out_of_step(port: int, debug: bool) -> tuple[str, str, float]:
 
 
 def test_rank_out_of_step_times_out_with_rank_op_group_and_step() -> None:
-    results = run_distributed(_out_of_step, 2, _free_port(), False, timeout=100)
+    results = run_distributed(_out_of_step, 2, free_port(), False, timeout=100)
     for rank, (kind, message, elapsed) in enumerate(results):
         assert kind in ("CollectiveTimeoutError", "CollectiveError"), (rank, kind, message)
         op, step = ("all_reduce", 1) if rank == 0 else ("barrier", 2)
@@ -100,7 +94,7 @@ def test_rank_out_of_step_times_out_with_rank_op_group_and_step() -> None:
 
 
 def test_rank_out_of_step_with_debug_is_a_sequence_mismatch() -> None:
-    results = run_distributed(_out_of_step, 2, _free_port(), True, timeout=100)
+    results = run_distributed(_out_of_step, 2, free_port(), True, timeout=100)
     for rank, (kind, message, elapsed) in enumerate(results):
         assert kind == "CollectiveMismatchError", (rank, kind, message)
         assert "the ranks of the group issued different collectives" in message
@@ -142,7 +136,7 @@ def _groups_timeouts(ports: list[int]) -> dict[str, float]:
 
 
 def test_default_timeout_applies_to_every_group_launch_creates() -> None:
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     results = run_distributed(_groups_timeouts, 2, ports, timeout=100)
     assert timedelta(minutes=10) == DEFAULT_TIMEOUT
     for got in results:
@@ -172,7 +166,7 @@ def _guard_and_counter(port: int) -> dict:
 
 
 def test_guard_coexists_with_collective_counter() -> None:
-    for got in run_distributed(_guard_and_counter, 2, _free_port(), timeout=100):
+    for got in run_distributed(_guard_and_counter, 2, free_port(), timeout=100):
         assert got["guarded"] and got["restored"], got
         assert got["counted"] == {"all_reduce": (1, 8), "barrier": (1, 0)} and got["value"] == [2.0, 2.0]
 
@@ -228,7 +222,7 @@ STOPPED_WORKER = textwrap.dedent(
 def test_stopped_rank_makes_its_peer_end_with_the_message(tmp_path: Path) -> None:
     script = tmp_path / "stopped.py"
     script.write_text(STOPPED_WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     try:
         for rank in (0, 1):

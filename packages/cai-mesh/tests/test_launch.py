@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cai.mesh import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, set_seed
+from cai.mesh import free_port, launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, set_seed
 from cai.mesh._launch import _tcp
 from cai.mesh.testing import run_distributed
 
@@ -23,12 +22,6 @@ except ImportError:
     np = None
 
 SEED = 7
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +101,7 @@ def _launch_case(mode: str, port: int) -> dict:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_launch_paths_on_2_ranks(case: LaunchCase) -> None:
-    results = run_distributed(_launch_case, 2, case.name, _free_port())
+    results = run_distributed(_launch_case, 2, case.name, free_port())
     set_seed(SEED)
     expected = {
         "torch": torch.rand(3),
@@ -174,6 +167,32 @@ def test_launch_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
         launch_from_torch()
 
 
+def test_free_port_is_below_the_ephemeral_range_and_skips_taken_ports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from cai.mesh import _launch
+
+    set_seed(0)  # the same global random state in every process must not mean the same port
+    low = _launch._ephemeral_low()
+    if low is not None and low - _launch._LOWEST_FREE_PORT >= 1000:
+        ports = {free_port() for _ in range(8)}
+        assert all(_launch._LOWEST_FREE_PORT <= p < low for p in ports) and len(ports) > 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        spare = [p for p in range(24680, 24700) if _launch._bindable("127.0.0.1", p)]
+        draws = iter([busy, busy, *range(24680, 24700)])
+        monkeypatch.setattr(_launch, "_ephemeral_low", lambda: 32768)
+        monkeypatch.setattr(_launch.random.SystemRandom, "randrange", lambda self, a, b: next(draws))
+        assert free_port() == spare[0]  # the taken port is drawn and passed over
+        monkeypatch.setattr(_launch, "_ephemeral_low", lambda: None)  # unknown range: the kernel's pick
+        port = free_port()
+        assert port != busy and _launch._bindable("127.0.0.1", port)
+
+
 def test_tcp_address_brackets_ipv6() -> None:
     assert _tcp("::1", 29500) == "tcp://[::1]:29500"
     assert _tcp("10.0.0.1", "29500") == "tcp://10.0.0.1:29500"
@@ -202,7 +221,7 @@ def test_launch_destroys_a_group_left_alive_at_a_clean_exit(tmp_path, how: str) 
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
     proc = subprocess.run(
-        [sys.executable, str(script), str(_free_port()), how],
+        [sys.executable, str(script), str(free_port()), how],
         capture_output=True,
         text=True,
         env=env,

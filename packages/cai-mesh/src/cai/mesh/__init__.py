@@ -31,7 +31,14 @@ from cai.mesh._guard import (
     current_step,
 )
 from cai.mesh._hooks import register_grad_hooks_weakly
-from cai.mesh._launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, set_seed
+from cai.mesh._launch import (
+    free_port,
+    launch,
+    launch_from_openmpi,
+    launch_from_slurm,
+    launch_from_torch,
+    set_seed,
+)
 from cai.mesh._logging import DistributedLogger, disable_existing_loggers, get_dist_logger
 from cai.mesh._parallel_dims import AXES, ParallelDims, ParallelMesh
 from cai.mesh._shard_spec import FlatPiece, LocalShard, ShardSpec, assemble, flat_pieces
@@ -75,6 +82,7 @@ __all__ = [
     "fp8_all_gather_into_tensor",
     "fp8_all_reduce",
     "fp8_reduce_scatter_tensor",
+    "free_port",
     "get_accelerator",
     "get_current_device",
     "get_dist_logger",

@@ -7,7 +7,6 @@ import importlib.metadata as md
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -150,15 +149,11 @@ def _allreduce_worker(rank: int, world_size: int, port: int, backend: str, resul
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_allreduce(nproc: int | None, timeout: float) -> bool:
     import torch
     import torch.multiprocessing as mp
+
+    from cai.mesh._launch import free_port
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = "nccl" if gpus > 0 and torch.distributed.is_nccl_available() else "gloo"
@@ -170,7 +165,7 @@ def _run_allreduce(nproc: int | None, timeout: float) -> bool:
     results = ctx.Queue()
     procs = mp.start_processes(
         _allreduce_worker,
-        args=(world, _free_port(), backend, results),
+        args=(world, free_port(), backend, results),
         nprocs=world,
         join=False,
         start_method="spawn",

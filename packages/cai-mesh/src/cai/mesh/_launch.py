@@ -6,6 +6,7 @@ import atexit
 import gc
 import os
 import random
+import socket
 import sys
 from collections.abc import Mapping
 from datetime import timedelta
@@ -17,7 +18,7 @@ from cai.mesh import _guard
 from cai.mesh._accelerator import get_accelerator
 from cai.mesh._logging import get_dist_logger
 
-__all__ = ["launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "set_seed"]
+__all__ = ["free_port", "launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "set_seed"]
 
 
 def set_seed(seed: int) -> None:
@@ -31,6 +32,49 @@ def set_seed(seed: int) -> None:
     except ImportError:  # numpy is optional; nothing to seed
         return
     np.random.seed(seed % 2**32)
+
+
+_LOWEST_FREE_PORT = 20000  # free_port's choices start here, above the ports services usually own
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing is bound to, for a rendezvous that binds it a little later (the
+    ``MASTER_PORT`` of processes spawned on one machine).
+
+    It is drawn at random below the kernel's ephemeral range (Linux's ``ip_local_port_range``, 32768 and up by
+    default). The usual trick, binding port 0 and reading what the kernel gave, returns a port from that range,
+    which any process's next outgoing connection may take before the rendezvous binds it (gloo opens many):
+    an "address already in use" seconds later. Below the range a port is only taken by an explicit bind. Where
+    the range is unknown or leaves no room below it, the kernel picks. The draw does not use ``random``'s global
+    state, which ``set_seed`` makes the same in every process.
+    """
+    low = _ephemeral_low()
+    if low is not None and low - _LOWEST_FREE_PORT >= 1000:
+        draw = random.SystemRandom()
+        for _ in range(64):
+            port = draw.randrange(_LOWEST_FREE_PORT, low)
+            if _bindable(host, port):
+                return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _env_ints(names: Mapping[str, str], source: str, hint: str) -> dict[str, int]:
