@@ -297,29 +297,34 @@ def _graph_for(x2: torch.Tensor, weight: torch.Tensor) -> bool:
     return key in _graph_shapes
 
 
-def _whole_body(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this linear runs as two compiled bodies ([Note: fp8 host time]): all three products on
-    ``_scaled_mm``, so bf16 operands and every dimension a multiple of 16 (the tokens too: the weight gradient
-    reduces over them)."""
+def _scaled_mm_takes(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``_scaled_mm`` runs all three products of ``x2 @ weight.T``: FP8 tensor cores, bf16 activations and
+    every dimension a multiple of 16 (the tokens too: the weight gradient reduces over them)."""
     return (
-        not _compile_failed
-        and _scaled_mm_ok(x2)
-        and x2.dtype == weight.dtype == torch.bfloat16
+        _scaled_mm_ok(x2)
+        and x2.dtype == torch.bfloat16
         and x2.shape[0] % 16 == 0
         and x2.shape[1] % 16 == 0
         and weight.shape[0] % 16 == 0
+    )
+
+
+def _whole_body(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this linear runs as two compiled bodies ([Note: fp8 host time]): all three products on
+    ``_scaled_mm`` (:func:`_scaled_mm_takes`) with bf16 weights too."""
+    return (
+        not _compile_failed
+        and _scaled_mm_takes(x2, weight)
+        and weight.dtype == torch.bfloat16
         # a caller's graph (the compiled blocks) has its own shape rules
         and (torch.compiler.is_compiling() or _graph_for(x2, weight))
     )
 
 
 def _eager_product(x2: torch.Tensor, weight: torch.Tensor):
-    """The product the eager tensor-wise path takes: FP8 tensor cores where every dimension suits them, else the
+    """The product the eager tensor-wise path takes: FP8 tensor cores where they take every product, else the
     emulation."""
-    dims = (x2.shape[0], x2.shape[1], weight.shape[0])
-    if x2.dtype == torch.bfloat16 and _scaled_mm_ok(x2) and all(d % 16 == 0 for d in dims):
-        return _scaled_product
-    return _emulated_product
+    return _scaled_product if _scaled_mm_takes(x2, weight) else _emulated_product
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
