@@ -208,8 +208,9 @@ def test_whole_body_functions_are_the_eager_products() -> None:
         torch.randn(32, 16, generator=g),
     )
     _fp8._cache.clear()
-    assert torch.equal(_fp8._forward_body(x, w, _fp8._emulated_product), fp8_matmul(x, w, torch.float32))
-    dx, dw = _fp8._backward_body(dy, x, w, _fp8._emulated_product)
+    y, saved = _fp8._forward_body(x, w, product=_fp8._emulated_product)
+    assert torch.equal(y, fp8_matmul(x, w, torch.float32)) and saved is x
+    dx, dw = _fp8._backward_body(dy, w, x, product=_fp8._emulated_product)
     assert torch.equal(dx, fp8_matmul(dy, w.t(), torch.float32, a_dtype=GRAD_DTYPE))
     assert torch.equal(dw, fp8_matmul(dy.t(), x.t(), torch.float32, a_dtype=GRAD_DTYPE))
 
@@ -228,16 +229,24 @@ def test_tensorwise_products_are_those_of_the_dequantised_operands() -> None:
         return (t / scale).to(dtype).float() * scale
 
     x_, w_, dy_ = dequantised(x, E4M3), dequantised(w, E4M3), dequantised(dy, TENSORWISE_GRAD_DTYPE)
-    torch.testing.assert_close(_fp8._forward_tensorwise(x, w, _fp8._emulated_product), x_ @ w_.t())
-    dx, dw = _fp8._backward_tensorwise(dy, x, w, _fp8._emulated_product)
+    y, *saved = _fp8._forward_tensorwise(x, w, product=_fp8._emulated_product)
+    torch.testing.assert_close(y, x_ @ w_.t())
+    dx, dw = _fp8._backward_tensorwise(dy, w, *saved, product=_fp8._emulated_product)
     torch.testing.assert_close(dx, dy_ @ w_)
     torch.testing.assert_close(dw, dy_.t() @ x_)
+    # the backward's transposed operands, from the forward's FP8 bytes and scales, are the transposed tensors
+    # quantised afresh, bit for bit: one amax serves both layouts
+    qx, sx, sw = saved
+    for t, q, s in ((x, qx, sx), (w, _fp8._quantize_tensorwise_torch(w, E4M3)[0], sw)):
+        q_t, s_t = _fp8._quantize_tensorwise_torch(t.t(), E4M3)
+        assert torch.equal(q.t().contiguous().view(torch.uint8), q_t.view(torch.uint8))
+        assert torch.equal(s, s_t)
     # the layer's eager path on CPU is these bodies
     xl = x.clone().requires_grad_(True)
     wl = w.clone().requires_grad_(True)
     out = _fp8.fp8_linear(xl, wl, recipe="tensorwise")
     out.backward(dy)
-    assert torch.equal(out, _fp8._forward_tensorwise(x, w, _fp8._emulated_product))
+    assert torch.equal(out, y)
     assert torch.equal(xl.grad, dx) and torch.equal(wl.grad, dw)
     with pytest.raises(ValueError, match="recipe 'blockwise' is not one of"):
         _fp8.fp8_linear(x, w, recipe="blockwise")

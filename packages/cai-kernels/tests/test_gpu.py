@@ -152,20 +152,16 @@ def test_fp8_scaled_mm_matches_the_emulation_and_trains_a_linear(monkeypatch):
         fp8_matmul(dy2.t(), x2.t(), torch.bfloat16, a_dtype=_fp8.GRAD_DTYPE),
     ]
     compiled = [
-        _fp8._in_graph(_fp8._forward_body, x2, lin.weight),
-        *_fp8._in_graph(_fp8._backward_body, dy2, x2, lin.weight),
+        _fp8._in_graph(_fp8._forward_body, x2, lin.weight)[0],
+        *_fp8._in_graph(_fp8._backward_body, dy2, lin.weight, x2),
     ]
     for got, want in zip(compiled, eager, strict=True):
         assert rel_err(got, want) < 1e-3
     # the tensor-wise recipe (the layer's default): _scaled_mm with one scale an operand against its emulation
-    compiled = [
-        _fp8._in_graph(_fp8._forward_tensorwise, x2, lin.weight),
-        *_fp8._in_graph(_fp8._backward_tensorwise, dy2, x2, lin.weight),
-    ]
-    emulated = [
-        _fp8._forward_tensorwise(x2, lin.weight, _fp8._emulated_product),
-        *_fp8._backward_tensorwise(dy2, x2, lin.weight, _fp8._emulated_product),
-    ]
+    y, *saved = _fp8._in_graph(_fp8._forward_tensorwise, x2, lin.weight)
+    compiled = [y, *_fp8._in_graph(_fp8._backward_tensorwise, dy2, lin.weight, *saved)]
+    y, *saved = _fp8._forward_tensorwise(x2, lin.weight, product=_fp8._emulated_product)
+    emulated = [y, *_fp8._backward_tensorwise(dy2, lin.weight, *saved, product=_fp8._emulated_product)]
     for got, want in zip(compiled, emulated, strict=True):
         assert rel_err(got, want) < 1e-2
 

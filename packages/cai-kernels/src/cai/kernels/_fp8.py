@@ -11,8 +11,11 @@ the matmul inputs are quantised, each time.
 
 [Note: fp8 recipes]
 - ``"tensorwise"`` (the default): one scale per operand. The transposed operands of the backward products are the
-  same values written transposed under the same scale, so no operand is reduced twice. Activations and weights are
-  e4m3; gradients are e5m2 (``TENSORWISE_GRAD_DTYPE``), whose range covers a whole tensor under one scale.
+  same values written transposed under the same scale: the forward keeps its FP8 input and both scales for the
+  backward, which writes ``x^T`` from those bytes, ``W^T`` under the weight's scale and ``dy^T`` from ``dy``'s FP8.
+  No operand is reduced twice, the input is not read again in bf16, and what a linear keeps for its backward is
+  one byte an input element instead of two. Activations and weights are e4m3; gradients are e5m2
+  (``TENSORWISE_GRAD_DTYPE``), whose range covers a whole tensor under one scale.
 - ``"rowwise"``: one scale per row of the reduction, so ``W^T``, ``dy^T`` and ``x^T`` are each quantised again
   over the other dimension. Every operand is e4m3, gradients too (``GRAD_DTYPE``): a scale per row already fits each
   row's range, so e4m3's extra mantissa bit is worth more than e5m2's range. cai-shardformer's tensor-parallel
@@ -216,15 +219,16 @@ def fp8_matmul(
     return _emulated_product(qa, sa, qb, sb, out_dtype)
 
 
-def _forward_body(x2: torch.Tensor, weight: torch.Tensor, product=_scaled_product) -> torch.Tensor:
-    """``x2 @ weight.T`` in FP8, the quantisations in torch (what ``torch.compile`` fuses; [Note: fp8 host time])."""
+def _forward_body(x2: torch.Tensor, weight: torch.Tensor, *, product=_scaled_product):
+    """``(x2 @ weight.T, x2)`` in FP8, the quantisations in torch (what ``torch.compile`` fuses; [Note: fp8 host
+    time]); the tensors after the product are what the backward reads (here the input, quantised again there)."""
     qx, sx = _quantize_rowwise_torch(x2, E4M3)
     qw, sw = _quantize_rowwise_torch(weight, E4M3)
-    return product(qx, sx, qw, sw, x2.dtype)
+    return product(qx, sx, qw, sw, x2.dtype), x2
 
 
 def _backward_body(
-    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, product=_scaled_product
+    dy2: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, *, product=_scaled_product
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dy2 @ weight, dy2.T @ x2)`` in FP8 as :func:`_forward_body` does it."""
     qd, sd = _quantize_rowwise_torch(dy2, GRAD_DTYPE)
@@ -235,24 +239,30 @@ def _backward_body(
     return dx, product(qdt, sdt, qxt, sxt, weight.dtype)
 
 
-def _forward_tensorwise(x2: torch.Tensor, weight: torch.Tensor, product=_scaled_product) -> torch.Tensor:
-    """:func:`_forward_body` with one scale per operand (see [Note: fp8 recipes])."""
+def _forward_tensorwise(x2: torch.Tensor, weight: torch.Tensor, *, product=_scaled_product):
+    """:func:`_forward_body` with one scale per operand (see [Note: fp8 recipes]); the backward reads the quantised
+    input and both scales: ``(y, qx, sx, sw)``."""
     qx, sx = _quantize_tensorwise_torch(x2, E4M3)
     qw, sw = _quantize_tensorwise_torch(weight, E4M3)
-    return product(qx, sx, qw, sw, x2.dtype)
+    return product(qx, sx, qw, sw, x2.dtype), qx, sx, sw
 
 
 def _backward_tensorwise(
-    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, product=_scaled_product
+    dy2: torch.Tensor,
+    weight: torch.Tensor,
+    qx: torch.Tensor,
+    sx: torch.Tensor,
+    sw: torch.Tensor,
+    *,
+    product=_scaled_product,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_backward_body` with one scale per operand: each transposed operand is the same values written
-    transposed, no second reduction (see [Note: fp8 recipes])."""
+    """:func:`_backward_body` with one scale per operand. Each transposed operand is the forward's FP8 bytes
+    written transposed under the forward's scale, so nothing is reduced twice: ``x^T`` from ``qx``, ``W^T`` from
+    ``weight`` under ``sw``, ``dy^T`` from ``dy``'s own FP8 (see [Note: fp8 recipes])."""
     qd, sd = _quantize_tensorwise_torch(dy2, TENSORWISE_GRAD_DTYPE)
-    qwt, sw = _quantize_tensorwise_torch(weight.t(), E4M3)
-    dx = product(qd, sd, qwt, sw, x2.dtype)
-    qdt = (dy2.t().float() / sd).to(TENSORWISE_GRAD_DTYPE).contiguous()
-    qxt, sx = _quantize_tensorwise_torch(x2.t(), E4M3)
-    return dx, product(qdt, sd, qxt, sx, weight.dtype)
+    qwt = (weight.t().float() / sw).to(E4M3).contiguous()
+    dx = product(qd, sd, qwt, sw, dy2.dtype)  # y, and so dy, has the input's dtype
+    return dx, product(qd.t().contiguous(), sd, qx.t().contiguous(), sx, weight.dtype)
 
 
 _BODIES = {
@@ -321,10 +331,10 @@ def _whole_body(x2: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _eager_product(x2: torch.Tensor, weight: torch.Tensor):
-    """The product the eager tensor-wise path takes: FP8 tensor cores where they take every product, else the
-    emulation."""
-    return _scaled_product if _scaled_mm_takes(x2, weight) else _emulated_product
+def _eager_product(tensor_cores: bool):
+    """The product the eager tensor-wise path takes: FP8 tensor cores where they take every product
+    (:func:`_scaled_mm_takes`), else the emulation."""
+    return _scaled_product if tensor_cores else _emulated_product
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -335,15 +345,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         forward_body = _BODIES[recipe][0]
-        y = _in_graph(forward_body, x2, weight) if _whole_body(x2, weight) else None
-        if y is None:
+        # decided once for both directions: the backward has no x2 to ask about on the tensor-wise path
+        ctx.graph, ctx.tensor_cores = _whole_body(x2, weight), _scaled_mm_takes(x2, weight)
+        out = _in_graph(forward_body, x2, weight) if ctx.graph else None
+        if out is None:
             if recipe == "rowwise":
-                y = fp8_matmul(x2, weight, out_dtype=x.dtype)
+                out = fp8_matmul(x2, weight, out_dtype=x.dtype), x2
             else:
-                y = forward_body(x2, weight, _eager_product(x2, weight))
+                out = forward_body(x2, weight, product=_eager_product(ctx.tensor_cores))
+        y, *saved = out
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x2, weight)
+        ctx.save_for_backward(weight, *saved)
         ctx.has_bias = bias is not None
         ctx.shape = shape
         ctx.recipe = recipe
@@ -351,21 +364,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2, weight = ctx.saved_tensors
+        weight, *saved = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         backward_body = _BODIES[ctx.recipe][1]
-        graph = _whole_body(x2, weight) and dy2.dtype == torch.bfloat16
-        grads = _in_graph(backward_body, dy2, x2, weight) if graph else None
+        graph = ctx.graph and not _compile_failed and dy2.dtype == torch.bfloat16
+        grads = _in_graph(backward_body, dy2, weight, *saved) if graph else None
         if grads is not None:
             dx, dw = grads
         elif ctx.recipe == "rowwise":
+            (x2,) = saved
             # dx = dy @ W: reduce over out_features, so W's columns are the rows to scale
             # (transposed views: the quantiser reads them in place and writes row-major FP8)
             dx = fp8_matmul(dy2, weight.t(), out_dtype=x2.dtype, a_dtype=GRAD_DTYPE)
             # dW = dy^T @ x: reduce over tokens
             dw = fp8_matmul(dy2.t(), x2.t(), out_dtype=weight.dtype, a_dtype=GRAD_DTYPE)
         else:
-            dx, dw = backward_body(dy2, x2, weight, _eager_product(x2, weight))
+            dx, dw = backward_body(dy2, weight, *saved, product=_eager_product(ctx.tensor_cores))
         db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None
         return dx.reshape(ctx.shape), dw, db, None
 
