@@ -357,17 +357,32 @@ def test_offload_copies_back_ahead_of_backward(monkeypatch) -> None:
             assert ahead == 3 or back[j] > last_unpack[ahead + 1], (prefetch, j, events)
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
-def test_policies_keep_the_gradients_of_a_model_with_cai_kernels(policy: str, monkeypatch) -> None:
-    # cai-kernels' Triton functions (norms, rotary, the gate/up/SwiGLU function, the fused loss) recomputed under
-    # the checkpoint; here through the Triton interpreter
+@pytest.fixture(scope="module")
+def kernel_llama():
+    """A Llama patched with cai-kernels' Triton functions (norms, rotary, the gate/up/SwiGLU function, the fused
+    loss; here through the Triton interpreter), a batch, and its run without checkpointing: the reference both
+    policies are held to, run once."""
     from cai.kernels import patch_hf_model
 
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        mp.setenv("CAI_KERNELS_IMPL", "triton")
+        base = patch_hf_model(_llama(layers=2))
+        # 2 x 16 tokens: every kernel runs a program per token (row) in the interpreter; the fused loss is still
+        # one chunk and GQA (4 query heads on 2 KV heads) is kept
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+        ref = _run(copy.deepcopy(base), ids)
+    return base, ids, ref
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_policies_keep_the_gradients_of_a_model_with_cai_kernels(
+    policy: str, kernel_llama, monkeypatch
+) -> None:
+    # cai-kernels' Triton functions recomputed under the checkpoint
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("CAI_KERNELS_IMPL", "triton")
-    base = patch_hf_model(_llama(layers=2))
-    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(2))
-    ref_loss, ref_grads, _, ref_mm = _run(copy.deepcopy(base), ids)
+    base, ids, (ref_loss, ref_grads, _, ref_mm) = kernel_llama
     model = copy.deepcopy(base)
     activation_checkpointing(model, policy)
     loss, grads, _, mm = _run(model, ids)
