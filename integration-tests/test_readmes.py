@@ -482,7 +482,7 @@ def _check_collective_timeout(block: Block, tmp_path: Path) -> None:
         "import torch\n"
         "import torch.distributed as dist\n"
         "from cai.mesh import advance_step, launch_from_torch\n"
-        "launch_from_torch(timeout=10)\n"
+        "launch_from_torch(timeout=5)\n"
         "t = torch.ones(4)\n"
         "dist.all_reduce(t)\n"
         "advance_step()\n"
