@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from transformers import AutoConfig, LlamaConfig
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 # Benchmark presets. The 1B shape matches the peer figures of BENCHMARKS.md (6N + 12 L h s at 63.9k tok/s
 # gives its 42% MFU with these sizes: 0.95B parameters, untied embeddings).
@@ -47,6 +49,10 @@ PRESETS: dict[str, dict] = {
 
 def preset_config(name: str, *, max_seq: int) -> LlamaConfig:
     """A preset name from ``PRESETS``, or a path to a config.json / model directory."""
+    # transformers is imported where a config is built, not with this module: a launcher that only spawns the
+    # workers (``python train_llama.py`` without torchrun) does not pay for it before they start
+    from transformers import AutoConfig, LlamaConfig
+
     if name in PRESETS:
         return LlamaConfig(
             **PRESETS[name], max_position_embeddings=max(max_seq, 2048), tie_word_embeddings=False
@@ -63,6 +69,8 @@ def digit_llama_config(
 
     Learns the digit-reversal task in a few hundred steps on two CPU processes.
     """
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
