@@ -181,7 +181,8 @@ spec = importlib.util.spec_from_file_location("pool_orphan_probe", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 spec.loader.exec_module(module)
-from cai.mesh.testing import run_distributed
+from cai.mesh.testing import _pool, run_distributed
+_pool._PARENT_CHECK_S = 0.5  # the idle workers' check interval, read when the pool starts (default 5 s)
 print(*run_distributed(module._pid, 2), flush=True)
 os._exit(0)  # as a pytest-xdist worker ends: no atexit handler tells the pool to stop
 """
@@ -199,5 +200,5 @@ def test_workers_exit_when_their_parent_is_gone():
     assert len(pids) == 2, proc.stdout + proc.stderr
     deadline = time.monotonic() + 30
     while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{p}") for p in pids), "pool workers outlived their parent"

@@ -41,7 +41,7 @@ _GRACE_S = 5.0  # how long the other ranks may take to finish after one rank fai
 # and should something still hold groups, after a call in which any rank holds more native threads than this the
 # pool is replaced.
 _MAX_THREADS = 64
-_PARENT_CHECK_S = 5.0  # how often an idle worker checks that its parent is alive
+_PARENT_CHECK_S = 5.0  # how often an idle worker checks that its parent is alive (read when its pool starts)
 
 
 class DistributedTestError(AssertionError):
@@ -92,7 +92,9 @@ def _resolve(task: _Task) -> Callable:
     return obj
 
 
-def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def _worker_main(
+    rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue, parent_check_s: float
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -113,7 +115,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results
     parent = mp.parent_process()
     while True:
         try:
-            task: _Task | None = tasks.get(timeout=_PARENT_CHECK_S)
+            task: _Task | None = tasks.get(timeout=parent_check_s)
         except queue.Empty:
             # a test process that ends without its atexit handlers (pytest-xdist's workers) never sends the stop:
             # a worker whose parent is gone exits rather than linger with its memory and gloo threads
@@ -175,7 +177,7 @@ class _Pool:
         self.procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(r, world_size, self.store.port, self.tasks[r], self.results),
+                args=(r, world_size, self.store.port, self.tasks[r], self.results, _PARENT_CHECK_S),
                 daemon=True,
             )
             for r in range(world_size)
