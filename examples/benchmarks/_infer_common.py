@@ -1,4 +1,4 @@
-"""What the modes of bench_infer.py share: cai engines built from its arguments, progress lines on stderr,
+"""What the modes of bench_infer.py share: cai engines built from its arguments, phase notes on stderr,
 timing helpers and the table printer."""
 
 from __future__ import annotations
@@ -7,37 +7,12 @@ import gc
 import math
 import random
 import sys
-import time
 
 import torch
 
 from cai.infer import InferenceConfig, InferenceEngine, SamplingParams
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class Progress:
-    """One status line on stderr, rewritten at most every ``every`` seconds (a plain line when not a terminal)."""
-
-    def __init__(self, label: str, total: int, unit: str, every: float = 0.5) -> None:
-        self.label, self.total, self.unit, self.every = label, total, unit, every
-        self.start = self.last = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def update(self, done: int, tokens: int, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not force and now - self.last < self.every:
-            return
-        self.last = now
-        rate = tokens / max(now - self.start, 1e-9)
-        line = f"{self.label}: {done}/{self.total} {self.unit}, {tokens} tokens, {rate:,.0f} tok/s"
-        sys.stderr.write(f"\r{line}\033[K" if self.tty else line + "\n")
-        sys.stderr.flush()
-
-    def close(self, done: int, tokens: int) -> None:
-        self.update(done, tokens, force=True)
-        if self.tty:
-            sys.stderr.write("\n")
 
 
 def note(text: str) -> None:

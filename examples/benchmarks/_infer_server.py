@@ -7,23 +7,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import json
-import multiprocessing
+import pickle
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from pathlib import Path
 
-from _infer_common import Progress, cai_engine, ms, note, percentile, random_prompts, table, warm
+from _infer_client import CLIENTS, SERVED_NAME, drive
+from _infer_common import cai_engine, ms, note, percentile, random_prompts, table, warm
 
 from cai.infer import AsyncInferenceEngine, SamplingParams
 
-CLIENTS = ("httpx", "aiohttp")
-SERVED_NAME = "bench"
-
-
-Submit = Callable[[list[int], int], AsyncIterator[int]]  # (prompt, max_tokens) -> new tokens per chunk
+CLIENT_SCRIPT = Path(__file__).resolve().with_name("_infer_client.py")
 
 
 def poisson_plan(args, vocab: int, rates: list[float]) -> list[dict]:
@@ -39,49 +38,6 @@ def poisson_plan(args, vocab: int, rates: list[float]) -> list[dict]:
         prompts = random_prompts(rng, args.server_requests, args.min_prompt, args.max_prompt, vocab)
         plan.append({"rate": rate, "arrivals": arrivals, "prompts": prompts})
     return plan
-
-
-async def drive(entry: dict, submit: Submit, output_len: int) -> list[dict]:
-    """Send each prompt at its arrival time, stream it, and time its tokens (client side)."""
-    prompts = entry["prompts"]
-    bar = Progress(f"cai server {entry['rate']:g} req/s", len(prompts), "requests")
-    counts = {"done": 0, "tokens": 0}
-    t0 = time.perf_counter()
-
-    async def one(at: float, prompt: list[int]) -> dict:
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        sent = time.perf_counter()
-        first = last = None
-        n = 0
-        try:
-            async for k in submit(prompt, output_len):
-                if not k:
-                    continue
-                last = time.perf_counter()
-                if first is None:
-                    first = last
-                n += k
-                counts["tokens"] += k
-                bar.update(counts["done"], counts["tokens"])
-        except Exception as e:  # counted as a failed request; the others go on
-            return {"error": f"{type(e).__name__}: {e}"}
-        counts["done"] += 1
-        if first is None:
-            return {"error": "the stream ended without a token"}
-        return {
-            "sent_s": sent - t0,
-            "late_s": sent - t0 - at,
-            "ttft_s": first - sent,
-            "end_s": last - t0,
-            "tokens": n,
-            "tpot_s": (last - first) / (n - 1) if n > 1 else None,
-        }
-
-    records = await asyncio.gather(*(one(a, p) for a, p in zip(entry["arrivals"], prompts, strict=True)))
-    bar.close(counts["done"], counts["tokens"])
-    return records
 
 
 def summarize(rate: float, records: list[dict], output_len: int) -> dict:
@@ -114,91 +70,6 @@ def summarize(rate: float, records: list[dict], output_len: int) -> dict:
         max_send_late_s=max(r["late_s"] for r in ok),
     )
     return row
-
-
-def sse_tokens(line: str) -> int | None:
-    """Tokens in one server-sent event line of a completions stream (0 for other lines, None at ``[DONE]``).
-    Without a tokenizer the server's text is the token ids joined by spaces."""
-    if not line.startswith("data:"):
-        return 0
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return None
-    return len(json.loads(data)["choices"][0]["text"].split())
-
-
-def completion_body(prompt: list[int], max_tokens: int) -> dict:
-    return {
-        "model": SERVED_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-
-
-@contextlib.asynccontextmanager
-async def http_submitter(url: str, client: str):
-    endpoint = url + "/v1/completions"
-    if client == "httpx":
-        import httpx
-
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=None, limits=limits) as session:
-
-            async def submit(prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
-                async with session.stream("POST", endpoint, json=completion_body(prompt, max_tokens)) as r:
-                    if r.status_code != 200:
-                        raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-                    async for line in r.aiter_lines():
-                        n = sse_tokens(line)
-                        if n is None:
-                            return
-                        yield n
-
-            yield submit
-    elif client == "aiohttp":
-        import aiohttp
-
-        connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-
-            async def submit(prompt: list[int], max_tokens: int) -> AsyncIterator[int]:
-                async with session.post(endpoint, json=completion_body(prompt, max_tokens)) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-                    async for raw in r.content:
-                        n = sse_tokens(raw.decode())
-                        if n is None:
-                            return
-                        yield n
-
-            yield submit
-    else:
-        raise ValueError(f"unknown client {client!r}; choose from {CLIENTS}")
-
-
-async def client_runs(
-    url: str, client: str, plan: list[dict], output_len: int, vocab: int
-) -> list[list[dict]]:
-    async with http_submitter(url, client) as submit:
-        rng = random.Random(-2)
-        for n in (8, 8):  # untimed: connections opened, the server's first requests served
-            async for _ in submit([rng.randrange(vocab) for _ in range(n)], 2):
-                pass
-        return [await drive(entry, submit, output_len) for entry in plan]
-
-
-def client_process(url: str, client: str, plan: list[dict], output_len: int, vocab: int, conn) -> None:
-    """The client's process: its own interpreter, so that parsing streams does not compete with the engine for
-    the server's GIL. Sends back ("ok", records per rate) or ("error", message)."""
-    try:
-        conn.send(("ok", asyncio.run(client_runs(url, client, plan, output_len, vocab))))
-    except BaseException as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-    finally:
-        conn.close()
 
 
 @contextlib.contextmanager
@@ -266,23 +137,19 @@ def server_bench(model, args, rates: list[float]) -> dict:
     warm(engine, vocab)
     aengine = AsyncInferenceEngine(engine)
     if via == "http":
-        ctx = multiprocessing.get_context("spawn")
         with serving(aengine) as url:
             note(f"cai server at {url}; client ({client}) in a separate process ...")
-            mine, theirs = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=client_process, args=(url, client, plan, args.output_len, vocab, theirs), daemon=True
+            # A plain interpreter on _infer_client.py: a multiprocessing child would import this script's
+            # __main__ (torch, transformers, cai.infer) before the client could start.
+            proc = subprocess.run(
+                [sys.executable, str(CLIENT_SCRIPT)],
+                input=pickle.dumps((url, client, plan, args.output_len, vocab)),
+                stdout=subprocess.PIPE,
             )
-            proc.start()
-            theirs.close()
-            try:
-                status, payload = mine.recv()
-            except EOFError:
-                status, payload = (
-                    "error",
-                    f"the client process died (exit code {proc.join(5) or proc.exitcode})",
-                )
-            proc.join(timeout=30)
+        if proc.stdout:
+            status, payload = pickle.loads(proc.stdout)
+        else:
+            status, payload = "error", f"the client process died (exit code {proc.returncode})"
         if status != "ok":
             raise RuntimeError(f"server client: {payload}")
         per_rate = payload

@@ -61,7 +61,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples' shared helpers
 
 import torch
-from _infer_common import DTYPES, Progress, cai_engine, ms, note, random_prompts, release, sync, table, warm
+from _infer_client import Progress
+from _infer_common import DTYPES, cai_engine, ms, note, random_prompts, release, sync, table, warm
 from _infer_server import CLIENTS, print_server, server_bench
 from _models import PRESETS, preset_config
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
