@@ -1,8 +1,10 @@
 """The multi-process harness itself: results, failures, hangs, counting, reuse of the pool."""
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +75,67 @@ def test_failing_rank_is_reported_with_its_traceback():
     assert "about to fail" in msg
     assert time.monotonic() - start < 30
     assert run_distributed(_sum_ranks, 2, _Cfg(scale=1.0))[0][0] == 1.0  # the pool recovers
+
+
+class _BreakRendezvous:
+    """Unpickled in each worker before the call's process group is created: while ``marker`` exists, creating it
+    fails there, as a gloo mesh that could not connect does; ``once`` removes the marker with the first failure."""
+
+    def __init__(self, marker: str, once: bool) -> None:
+        self.marker, self.once = marker, once
+
+    def __reduce__(self):
+        return _break_rendezvous, (self.marker, self.once)
+
+
+def _break_rendezvous(marker: str, once: bool) -> str:
+    real = dist.init_process_group
+    fail = os.path.exists(marker)
+
+    def init(*args, **kwargs):
+        dist.init_process_group = real
+        if fail:
+            if once:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(marker)
+            raise RuntimeError("Gloo connectFullMesh failed (injected)")
+        return real(*args, **kwargs)
+
+    dist.init_process_group = init
+    return marker
+
+
+def _calls(log: str, _marker: str) -> int:
+    with open(log, "a") as f:
+        f.write(f"{dist.get_rank()}\n")
+    return dist.get_world_size()
+
+
+def test_a_process_group_that_fails_to_connect_is_retried_once_on_a_new_pool(tmp_path, capfd):
+    # [Note: rendezvous retry]: the test function runs once, after the retry; twice failing is an error with both
+    log, marker = str(tmp_path / "calls"), tmp_path / "marker"
+    marker.touch()
+    assert run_distributed(_calls, 2, log, _BreakRendezvous(str(marker), once=True), timeout=30) == [2, 2]
+    assert sorted(Path(log).read_text().split()) == ["0", "1"]
+    assert "ranks failed to connect; retried on a new pool" in capfd.readouterr().err
+    marker.touch()
+    with pytest.raises(DistributedTestError, match="failed to create the process group twice") as info:
+        run_distributed(_calls, 2, log, _BreakRendezvous(str(marker), once=False), timeout=30)
+    assert str(info.value).count("connectFullMesh failed (injected)") >= 2
+    assert sorted(Path(log).read_text().split()) == ["0", "1"]  # the function never ran again
+    assert run_distributed(_sum_ranks, 2, _Cfg(scale=1.0))[0][0] == 1.0  # the pool recovers
+
+
+def test_a_failing_test_function_is_not_retried(tmp_path):
+    log = str(tmp_path / "calls")
+    with pytest.raises(DistributedTestError, match="boom on purpose"):
+        run_distributed(_log_then_fail, 2, log, timeout=30)
+    assert sorted(Path(log).read_text().split()) == ["0", "1"]
+
+
+def _log_then_fail(log: str) -> None:
+    _calls(log, "")
+    raise ValueError("boom on purpose")
 
 
 def _hang() -> None:

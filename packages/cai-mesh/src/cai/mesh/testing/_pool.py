@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import io
@@ -27,13 +28,18 @@ import time
 import traceback
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 __all__ = ["DistributedTestError", "DistributedTestTimeout", "run_distributed", "shutdown_pools"]
 
 _GRACE_S = 5.0  # how long the other ranks may take to finish after one rank failed
+# [Note: rendezvous retry]
+# Creating a call's gloo group (its full mesh of TCP connections) failed now and then on a loaded 2-core machine,
+# "connectFullMesh failed ... Connection closed by peer", in a test that passed on every rerun. When every rank
+# that failed did so there, before the test function ran, the pool is replaced and the call runs once more under
+# a new rendezvous prefix, with a line on stderr; failing twice is an error that shows both. A failure in the test
+# function is never retried.
 # [Note: recycling workers]
 # A worker keeps whatever a test left alive. A process group still referenced (a model and its hooks form reference
 # cycles, freed only by the collector) keeps its gloo transport, whose event-loop thread wakes up on a timer:
@@ -52,7 +58,11 @@ class DistributedTestTimeout(DistributedTestError):
     """The ranks did not all finish within the timeout; the pool was killed and will be restarted."""
 
 
-@dataclass(frozen=True)
+class _RendezvousFailed(DistributedTestError):
+    """Every rank that failed did so creating the call's process group, before the test function ran."""
+
+
+@dataclasses.dataclass(frozen=True)
 class _Task:
     module: str
     file: str | None
@@ -132,13 +142,17 @@ def _worker_main(
                 store.set_timeout(timedelta(seconds=max(task.timeout, 1.0)))
                 if task.backend == "nccl":
                     torch.cuda.set_device(rank)  # one GPU per rank, as torchrun's LOCAL_RANK would give
-                dist.init_process_group(
-                    task.backend,
-                    store=dist.PrefixStore(task.key, store),
-                    rank=rank,
-                    world_size=world_size,
-                    timeout=timedelta(seconds=max(task.timeout, 1.0)),
-                )
+                try:
+                    dist.init_process_group(
+                        task.backend,
+                        store=dist.PrefixStore(task.key, store),
+                        rank=rank,
+                        world_size=world_size,
+                        timeout=timedelta(seconds=max(task.timeout, 1.0)),
+                    )
+                except BaseException as e:
+                    e._cai_rendezvous = True  # the test function has not run (see [Note: rendezvous retry])
+                    raise
                 try:
                     set_seed(task.seed)
                     value = fn(*args, **kwargs)
@@ -153,7 +167,8 @@ def _worker_main(
             results.put(("ok", rank, value, "", 0.0, _native_threads()))
         except BaseException as e:
             failed_at = getattr(e, "_cai_failed_at", time.time())
-            results.put(("err", rank, traceback.format_exc(), out.getvalue()[-4000:], failed_at, 0))
+            status = "rdzv" if getattr(e, "_cai_rendezvous", False) else "err"
+            results.put((status, rank, traceback.format_exc(), out.getvalue()[-4000:], failed_at, 0))
 
 
 def _native_threads() -> int:
@@ -193,6 +208,7 @@ class _Pool:
             q.put(task)
         values: dict[int, Any] = {}
         errors: dict[int, tuple[str, str, float]] = {}
+        rendezvous: set[int] = set()  # ranks that failed creating the process group
         deadline = time.monotonic() + task.timeout
         while len(values) + len(errors) < self.world_size:
             now = time.monotonic()
@@ -208,7 +224,7 @@ class _Pool:
                     self.kill()
                     missing = sorted(set(range(self.world_size)) - values.keys() - errors.keys())
                     if errors:
-                        raise self._error(task, errors, missing) from None
+                        raise self._error(task, errors, missing, rendezvous) from None
                     dead = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, -9)]
                     why = (
                         f"worker processes died: ranks {dead}"
@@ -224,12 +240,18 @@ class _Pool:
                 values[rank] = payload
             else:
                 errors[rank] = (payload, output, failed_at)
+                if status == "rdzv":
+                    rendezvous.add(rank)
         if errors:
-            raise self._error(task, errors, [])
+            raise self._error(task, errors, [], rendezvous)
         return [values[r] for r in range(self.world_size)]
 
     def _error(
-        self, task: _Task, errors: dict[int, tuple[str, str, float]], missing: list[int]
+        self,
+        task: _Task,
+        errors: dict[int, tuple[str, str, float]],
+        missing: list[int],
+        rendezvous: set[int],
     ) -> DistributedTestError:
         rank = min(
             errors, key=lambda r: errors[r][2]
@@ -243,7 +265,8 @@ class _Pool:
         lines.append(f"--- traceback of rank {rank} ---\n{tb}")
         if output.strip():
             lines.append(f"--- output of rank {rank} ---\n{output}")
-        return DistributedTestError("\n".join(lines))
+        failed = _RendezvousFailed if rendezvous == errors.keys() else DistributedTestError
+        return failed("\n".join(lines))
 
     def kill(self) -> None:
         for p in self.procs:
@@ -342,6 +365,30 @@ def run_distributed(
         timeout=timeout,
         backend=backend,
     )
+    try:
+        return _run_on_pool(task, world_size)
+    except _RendezvousFailed as e:  # see [Note: rendezvous retry]
+        _drop_pool(world_size)
+        sys.stderr.write(
+            f"run_distributed: {task.qualname}'s ranks failed to connect; retried on a new pool\n"
+        )
+        try:
+            return _run_on_pool(dataclasses.replace(task, key=f"task{next(_TASK_IDS)}/"), world_size)
+        except _RendezvousFailed as again:
+            _drop_pool(world_size)
+            raise DistributedTestError(
+                f"{again}\n(the ranks failed to create the process group twice, the second time on a new pool; "
+                f"the first time:\n{e})"
+            ) from None
+
+
+def _drop_pool(world_size: int) -> None:
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.kill()
+
+
+def _run_on_pool(task: _Task, world_size: int) -> list[Any]:
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:
@@ -349,6 +396,8 @@ def run_distributed(
         pool = _POOLS[world_size] = _Pool(world_size)
     try:
         return pool.run(task)
+    except _RendezvousFailed:
+        raise  # the caller replaces the pool
     except DistributedTestError:
         if not pool.alive():
             _POOLS.pop(world_size, None)
