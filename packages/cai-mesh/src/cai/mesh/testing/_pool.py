@@ -396,8 +396,6 @@ def _run_on_pool(task: _Task, world_size: int) -> list[Any]:
         pool = _POOLS[world_size] = _Pool(world_size)
     try:
         return pool.run(task)
-    except _RendezvousFailed:
-        raise  # the caller replaces the pool
     except DistributedTestError:
         if not pool.alive():
             _POOLS.pop(world_size, None)
