@@ -5,6 +5,7 @@ and the matmuls run again in backward show what each policy keeps."""
 from __future__ import annotations
 
 import copy
+import functools
 import re
 
 import pytest
@@ -110,6 +111,55 @@ def test_a_plain_module_list_model_is_checkpointed_in_place() -> None:
         m.loss(m(ids), labels).backward()
     for (name, p), q in zip(base.named_parameters(), model.parameters(), strict=True):
         assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, name=name)
+
+
+class _Fp8Product(torch.autograd.Function):
+    """x @ w.T through torch._scaled_mm (unit scales), with a plain bf16 backward: an FP8 linear's forward op."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        one = torch.ones((), device=x.device)
+        e4m3 = torch.float8_e4m3fn
+        return torch._scaled_mm(x.to(e4m3), w.to(e4m3).t(), scale_a=one, scale_b=one, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return dy @ w, dy.t() @ x
+
+
+class _Fp8Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 32, dtype=torch.bfloat16) / 8)
+
+    def forward(self, x):
+        return x + torch.tanh(_Fp8Product.apply(x, self.w))
+
+
+class _CountScaledMm(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._scaled_mm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_selective_checkpointing_keeps_the_fp8_products(policy: str) -> None:
+    # FP8 linears multiply through _scaled_mm on GPUs with FP8 tensor cores: a matmul that selective keeps
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ModuleList([_Fp8Block() for _ in range(3)]))
+    model.forward = lambda x: functools.reduce(lambda h, block: block(h), model[0], x)
+    activation_checkpointing(model, policy)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = model(x).float().sum()
+    with _CountScaledMm() as backward:
+        y.backward()
+    assert backward.count == (0 if policy == "selective" else 3)
 
 
 def test_bad_arguments_are_named() -> None:

@@ -123,6 +123,46 @@ def test_composes_with_activation_checkpointing(policy: str) -> None:
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the recompute reuses the graph
 
 
+def _floats_saved(model, ids) -> int:
+    """Bytes of the floating-point tensors (parameters aside) autograd keeps between forward and backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if t.is_floating_point() and storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return sum(saved.values())
+
+
+def test_full_checkpointing_of_a_compiled_block_keeps_what_eager_checkpointing_keeps(monkeypatch) -> None:
+    # AOTAutograd's partitioner decides what the block graph saves (aot_eager: the partitioner without
+    # Inductor's compile time): with the checkpoint inside the graph it must recompute the block, not keep it.
+    monkeypatch.setattr(
+        compile_module, "_compiled", functools.cache(lambda f: torch.compile(f, backend="aot_eager"))
+    )
+    ids = _ids(seq=32)
+    saved = {}
+    for kind in ("eager checkpointed", "compiled", "compiled checkpointed"):
+        torch._dynamo.reset()
+        model = _llama()
+        if kind != "compiled":
+            activation_checkpointing(model, "full")
+        if kind != "eager checkpointed":
+            compile_blocks(model)
+        _floats_saved(model, ids)  # the first call compiles
+        saved[kind] = _floats_saved(model, ids)
+    assert saved["compiled"] > 4 * saved["eager checkpointed"], saved
+    # the graph also holds each block's references to the shared rotary tables (1 x 32 x 16, cos and sin)
+    rotary = 2 * 32 * 16 * 4
+    assert saved["compiled checkpointed"] <= saved["eager checkpointed"] + rotary, saved
+
+
 def _plugin_losses(plugin: str, compiled: bool) -> tuple[list[float], dict]:
     from cai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
 
@@ -282,13 +322,106 @@ def test_compile_blocks_after_boost_turns_the_cache_off() -> None:
     assert (model.unwrap().config.use_cache, counters["stats"]["unique_graphs"]) == (False, 1)
 
 
+def _recording_backend(graphs: list):
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+def _checkpoints_in(gm) -> int:
+    from torch._higher_order_ops.wrap import tag_activation_checkpoint
+
+    return sum(node.target is tag_activation_checkpoint for node in gm.graph.nodes)
+
+
+def _recorded_graphs(monkeypatch) -> list:
+    graphs: list = []
+    monkeypatch.setattr(
+        compile_module,
+        "_compiled",
+        functools.cache(lambda f: torch.compile(f, backend=_recording_backend(graphs))),
+    )
+    return graphs
+
+
+@pytest.mark.parametrize("policy", ["selective", "full", "hf"])
+def test_a_checkpointed_block_traces_its_checkpoint_into_its_graph(monkeypatch, policy: str) -> None:
+    # The checkpoint runs inside the block graph, so its backward holds the recompute: no eager recompute of a
+    # compiled forward. "hf": Hugging Face's gradient_checkpointing_enable() (torch's non-reentrant checkpoint),
+    # enabled after compile_blocks, is adopted on the first call.
+    graphs = _recorded_graphs(monkeypatch)
+    ref = _llama()
+    ids = _ids()
+    want = _step(ref, ids)
+    model = copy.deepcopy(ref)
+    if policy != "hf":
+        activation_checkpointing(model, policy)
+    compile_blocks(model)
+    if policy == "hf":
+        model.gradient_checkpointing_enable()
+    _assert_same_step(_step(model, ids), want, policy)
+    _assert_same_step(_step(_zeroed(model), ids), want, f"{policy}, again")
+    assert len(graphs) == 1 and _checkpoints_in(graphs[0]) == 1, [_checkpoints_in(g) for g in graphs]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_a_reentrant_checkpoint_stays_around_the_compiled_forward(monkeypatch) -> None:
+    graphs = _recorded_graphs(monkeypatch)
+    ref = _llama()
+    ids = _ids()
+    want = _step(ref, ids)
+    model = copy.deepcopy(ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    compile_blocks(model)
+    _assert_same_step(_step(model, ids), want, "reentrant")
+    assert graphs and not any(_checkpoints_in(g) for g in graphs)
+
+
+def _zeroed(model):
+    model.zero_grad(set_to_none=True)
+    return model
+
+
 @pytest.mark.usefixtures("_eager_backend")
+def test_a_checkpointed_block_under_gemini_falls_back_to_an_eager_checkpoint() -> None:
+    # Gemini's layer hooks cannot be traced inside the checkpoint: dynamo runs that checkpoint eagerly and
+    # compiles the pieces of the forward between the hooks; the losses stay those of the eager model.
+    from cai.booster.plugin import GeminiPlugin
+
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        booster = Booster(plugin=GeminiPlugin(precision="fp32"), device="cpu")
+        model = _llama()
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        activation_checkpointing(model.unwrap(), "full")
+        if compiled:
+            compile_blocks(model.unwrap())
+        losses = []
+        for step in range(3):
+            ids = _ids(seed=10 + step)
+            loss = model(input_ids=ids, labels=ids).loss
+            booster.backward(loss, opt)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=RTOL, atol=ATOL, name="gemini losses")
+
+
+@pytest.mark.usefixtures("_eager_backend")
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["kept", "checkpointed"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fp8_layers_trace_into_the_block_graph(recipe: str) -> None:
+def test_fp8_layers_trace_into_the_block_graph(recipe: str, checkpointed: bool) -> None:
     from cai.kernels import convert_to_fp8
 
     model = _llama(layers=2)
     convert_to_fp8(model, recipe=recipe)
+    if checkpointed:
+        activation_checkpointing(model, "full")
     compile_blocks(model)
     _step(model, _ids())
     assert not counters["graph_break"], dict(counters["graph_break"])

@@ -33,10 +33,11 @@ __all__ = ["SAVED_OPS", "activation_checkpointing"]
 Policy = Literal["full", "selective", "none"]
 
 _aten = torch.ops.aten
-# Outputs selective checkpointing keeps: the matmuls (nn.Linear and matmul dispatch to these) and attention.
+# Outputs selective checkpointing keeps: the matmuls (nn.Linear and matmul dispatch to these; FP8 linears to
+# _scaled_mm on GPUs with FP8 tensor cores; grouped expert GEMMs to _grouped_mm) and attention.
 _SAVED_NAMES = (
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
     "_efficient_attention_forward",
 )  # fmt: skip
 SAVED_OPS = frozenset(getattr(_aten, name).default for name in _SAVED_NAMES if hasattr(_aten, name))
@@ -50,10 +51,34 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_keep_expensive)
 
 
-def _checkpoint_fn(policy: Policy):
-    if policy == "selective":
-        return functools.partial(checkpoint, use_reentrant=False, context_fn=_selective_context)
-    return functools.partial(checkpoint, use_reentrant=False)
+class _Checkpoint:
+    """A checkpoint function shared by every block that has it (``run``: torch's non-reentrant checkpoint with its
+    keywords). Hugging Face layers and ``_Checkpointed`` call it as ``fn(partial(super().__call__, **kwargs),
+    *args)``; a block that defines ``_cai_run_checkpoint`` (a compiled block, [Note: compiled blocks]) is handed
+    the call, so the checkpoint runs inside its graph."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def __call__(self, fn, *args):
+        block = getattr(getattr(fn, "func", None), "__self__", None)
+        through = getattr(block, "_cai_run_checkpoint", None)
+        return self.run(fn, *args) if through is None else through(self.run, fn, *args)
+
+
+@functools.cache
+def _checkpoint_fn(policy: Policy) -> _Checkpoint:
+    context = {"context_fn": _selective_context} if policy == "selective" else {}
+    return _Checkpoint(functools.partial(checkpoint, use_reentrant=False, **context))
+
+
+@functools.cache
+def adopt_checkpoint(fn) -> _Checkpoint | None:
+    """``fn`` as a ``_Checkpoint`` where it is torch's non-reentrant checkpoint with keywords only (what Hugging
+    Face's ``gradient_checkpointing_enable()`` sets on every layer), else None; one per ``fn``, so the blocks that
+    share a function share its graph."""
+    plain = isinstance(fn, functools.partial) and fn.func is checkpoint and not fn.args
+    return _Checkpoint(fn) if plain and fn.keywords.get("use_reentrant") is False else None
 
 
 def _hf_layer_type() -> type | None:

@@ -6,9 +6,21 @@ fuses well (residual adds into norms, rotary, the SwiGLU, FP8 quantisation into 
 operands) while the embedding, the loss and every sharding hook stay eager:
 - The blocks share one compiled graph: the block class's ``forward`` function is compiled once and each block is
   its argument (torch's inlined modules make parameters graph inputs), so twenty-two blocks compile as one.
-- Only ``forward`` is compiled, not the module call: a block's own forward hooks and activation checkpointing's
-  wrappers run eagerly around it. Hooks on the layers inside a block are traced with it: cai-zero has none
-  there; cai-gemini hooks every layer that owns parameters, and its hooks break the graph at each of them.
+- An uncheckpointed block compiles its ``forward``, not the module call: its own forward hooks run eagerly
+  around the graph. Hooks on the layers inside a block are traced with it: cai-zero has none there;
+  cai-gemini hooks every layer that owns parameters, and its hooks break the graph at each of them.
+- A checkpointed block compiles its checkpoint with the module call inside it
+  (``_cai_run_checkpoint``, which cai's checkpoint function hands the call to): dynamo traces torch's checkpoint
+  as one region, and AOTAutograd's partitioner puts the recompute into the block's backward graph, where it fuses
+  with the backward's own kernels. With the checkpoint around the graph instead, the recompute ran the compiled
+  forward a second time through checkpoint's saved-tensor hooks before the compiled backward: host work per block
+  that bounds a backward whose host is barely ahead of the GPU (the 8B FP8 step's profile). It keeps what eager
+  checkpointing keeps (the block inputs; ``selective`` applies its policy to the traced ops), and the step's host
+  time on a tiny 8-block Llama (``bench_compiled_checkpoint.py``, CPU) falls by a third. Under cai-gemini the
+  layer hooks cannot be traced inside the checkpoint: dynamo runs that checkpoint eagerly and compiles the pieces
+  between the hooks, as before. Hugging Face's ``gradient_checkpointing_enable()`` (torch's non-reentrant
+  checkpoint) is adopted on the block's first call and takes the same path; a reentrant or any other checkpoint
+  function keeps the checkpoint around the graph.
 - Only training-mode calls take the graph; evaluation and generation (whose KV cache and one-token steps would
   recompile) run the block's own forward. A KV cache in training would recompile the graph once per block,
   so a Hugging Face model's ``config.use_cache`` is turned off (a training forward never reads it back; ``generate``
@@ -34,7 +46,7 @@ import logging
 import torch
 from torch import nn
 
-from cai.booster._checkpointing import checkpoint_blocks
+from cai.booster._checkpointing import _Checkpoint, adopt_checkpoint, checkpoint_blocks
 from cai.booster._offload import with_mixin
 
 __all__ = ["compile_blocks"]
@@ -45,25 +57,52 @@ _failed = False  # Inductor could not build a graph here: every block runs eager
 
 
 @functools.cache
-def _compiled(forward):
-    return torch.compile(forward)
+def _compiled(function):
+    return torch.compile(function)
+
+
+def _run_compiled(function, *args, **kwargs):
+    """``function`` through its compiled form; where Inductor cannot build the graph, eagerly from then on."""
+    global _failed
+    try:
+        return _compiled(function)(*args, **kwargs)
+    except torch._dynamo.exc.BackendCompilerFailed as exc:
+        # raised while building the graph, before it runs: the call can be redone eagerly
+        _failed = True
+        logger.warning("cai compile_blocks: compiling the blocks failed, running them eagerly (%s)", exc)
+        return function(*args, **kwargs)
+
+
+def _checkpointed(run, fn, *args):
+    return run(fn, *args)
 
 
 class _CompiledForward:
-    """Mixed into a block's class: a training-mode ``forward`` runs the class's forward through ``torch.compile``."""
+    """Mixed into a block's class: a training-mode ``forward`` runs the class's forward through ``torch.compile``;
+    a checkpointed block's call runs with its checkpoint in one graph."""
+
+    def __call__(self, *args, **kwargs):
+        # Hugging Face's own non-reentrant checkpoint (gradient_checkpointing_enable) takes the same path as cai's
+        fn = self.__dict__.get("_gradient_checkpointing_func")
+        if fn is not None and not isinstance(fn, _Checkpoint):
+            adopted = adopt_checkpoint(fn)
+            if adopted is not None:
+                self._gradient_checkpointing_func = adopted
+        return super().__call__(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        global _failed
         eager = super().forward
+        # under compilation this block is being traced inside its checkpoint's graph
+        if not self.training or _failed or torch.compiler.is_compiling():
+            return eager(*args, **kwargs)
+        return _run_compiled(eager.__func__, self, *args, **kwargs)
+
+    def _cai_run_checkpoint(self, run, fn, *args):
+        """The checkpointed call of this block (``run`` is torch's checkpoint with the block's keywords, ``fn`` the
+        module call)."""
         if not self.training or _failed:
-            return eager(*args, **kwargs)
-        try:
-            return _compiled(eager.__func__)(self, *args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as exc:
-            # raised while building the graph, before it runs: the call can be redone eagerly
-            _failed = True
-            logger.warning("cai compile_blocks: compiling the blocks failed, running them eagerly (%s)", exc)
-            return eager(*args, **kwargs)
+            return run(fn, *args)
+        return _run_compiled(_checkpointed, run, fn, *args)
 
 
 def compile_blocks(model: nn.Module) -> int:
