@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,24 @@ def save_lr_scheduler(lr_scheduler: Any, path: Path) -> None:
         dist.barrier()
 
 
+def _like(loaded: Any, live: Any) -> Any:
+    """``loaded`` with the containers ``live`` holds: JSON made int keys strings and tuples lists (torch's
+    MultiStepLR keeps its milestones in a ``Counter`` of ints, and would never match a step against string keys)."""
+    if isinstance(live, dict) and isinstance(loaded, dict):
+        int_keys = bool(live) and all(isinstance(k, int) and not isinstance(k, bool) for k in live)
+        out = {}
+        for key, value in loaded.items():
+            key = int(key) if int_keys and key.lstrip("-").isdigit() else key
+            out[key] = _like(value, live.get(key))
+        return Counter(out) if isinstance(live, Counter) else out
+    if isinstance(live, (list, tuple)) and isinstance(loaded, list) and len(live) == len(loaded):
+        items = [_like(v, w) for v, w in zip(loaded, live)]
+        return tuple(items) if isinstance(live, tuple) else items
+    return loaded
+
+
 def load_lr_scheduler(lr_scheduler: Any, path: Path) -> None:
+    """Load what :func:`save_lr_scheduler` wrote, with int keys and tuples as ``lr_scheduler`` holds them now."""
     if not path.is_file():
         raise FileNotFoundError(f"load_lr_scheduler: no scheduler state at {str(path)!r}")
-    lr_scheduler.load_state_dict(json.loads(path.read_text()))
+    lr_scheduler.load_state_dict(_like(json.loads(path.read_text()), lr_scheduler.state_dict()))
