@@ -1,6 +1,6 @@
 """Checkpoints of HybridParallelPlugin against other layouts, both ways: two hybrid layouts (tp 2 x pp 2 with tied
 embeddings, pp 2 x dp 2 with ZeRO-1) save and load against LowLevelZero at dp 2 and one process, and against
-each other.
+each other; tp 2 alone, where one rank holds both names of the tied embedding, against one process and tp 2 x pp 2.
 
 After 3 steps the saver writes the model and the optimizer and trains 5 more steps. The loader, in another layout,
 reads both: its parameters must equal the saved ones bit for bit (fp32 masters are what is written), and its next
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from cai.ckpt import CheckpointReader
 from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -52,6 +53,8 @@ class Layout:
             return HybridParallelPlugin(
                 tp_size=1, pp_size=2, zero_stage=1, precision="fp32", num_microbatches=2
             )
+        if self.name == "tp2":
+            return HybridParallelPlugin(tp_size=2, pp_size=1, zero_stage=1, precision="fp32")
         raise ValueError(self.name)
 
 
@@ -62,6 +65,7 @@ LAYOUTS = {
         Layout(name="zero2-dp2", world=2),
         Layout(name="tp2xpp2", world=4),
         Layout(name="pp2xdp2", world=4),
+        Layout(name="tp2", world=2),
     )
 }
 HYBRID = ("tp2xpp2", "pp2xdp2")
@@ -80,6 +84,9 @@ class Pair:
 PAIRS = [Pair(save=h, load=o) for h in HYBRID for o in ("one", "zero2-dp2")]
 PAIRS += [Pair(save=o, load=h) for h in HYBRID for o in ("one", "zero2-dp2")]
 PAIRS += [Pair(save="tp2xpp2", load="pp2xdp2"), Pair(save="pp2xdp2", load="tp2xpp2")]
+# The tied embedding: stored once by tp 2 (the head's name an alias) and once by one process and tp 2 x pp 2 (no
+# alias: the head's name is not reported), read under either convention.
+TIED_PAIRS = [Pair(save="tp2", load="one"), Pair(save="one", load="tp2"), Pair(save="tp2xpp2", load="tp2")]
 
 
 def boosted(layout: Layout, scheduler: bool = False):
@@ -127,8 +134,13 @@ def local_step(booster, model, opt, mine: torch.Tensor) -> float:
 
 
 def gathered(booster, model) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor assembled from all ranks' pieces of the plugin's state."""
-    return gathered_params(booster, model, "all")
+    """Every checkpoint tensor assembled from all ranks' pieces of the plugin's state, the tied weight once: a
+    layout that reports it under the head's name too (tp 2) must report the embedding's values there."""
+    params = gathered_params(booster, model, "all")
+    if TIED and "lm_head.weight" in params:
+        head = params.pop("lm_head.weight")
+        assert torch.equal(head, params["model.embed_tokens.weight"]), "the tied head is not the embedding"
+    return params
 
 
 def shared_tmpdir() -> str:
@@ -167,7 +179,7 @@ def saved(name: str) -> dict:
     return _SAVED[name]
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.id)
+@pytest.mark.parametrize("pair", PAIRS + TIED_PAIRS, ids=lambda p: p.id)
 def test_hybrid_checkpoints_load_under_other_layouts(pair: Pair) -> None:
     ref = saved(pair.save)
     got = run_distributed(load_run, LAYOUTS[pair.load].world, pair.load, ref["path"], timeout=240)[0]
@@ -177,8 +189,15 @@ def test_hybrid_checkpoints_load_under_other_layouts(pair: Pair) -> None:
     )
 
 
-def test_hybrid_checkpoint_loads_in_from_pretrained() -> None:
-    ref = saved("tp2xpp2")
+@pytest.mark.parametrize("name", sorted({p.save for p in TIED_PAIRS}))
+def test_tied_embedding_is_stored_once(name: str) -> None:
+    reader = CheckpointReader(os.path.join(saved(name)["path"], "model"))
+    assert "model.embed_tokens.weight" in reader.weight_map and "lm_head.weight" not in reader.weight_map
+
+
+@pytest.mark.parametrize("name", ["tp2xpp2", "tp2"])
+def test_hybrid_checkpoint_loads_in_from_pretrained(name: str) -> None:
+    ref = saved(name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(ref["path"], "model"))
     assert_close(
         {n: p.detach() for n, p in hf.named_parameters()},
@@ -272,11 +291,12 @@ def test_lazy_init_materialises_shards_that_agree(name: str) -> None:
     assert abs(results[0]["loss"] - math.log(VOCAB)) < 0.5, results[0]["loss"]
 
 
-def test_lazy_from_pretrained_reads_each_rank_its_blocks() -> None:
+@pytest.mark.parametrize("name", ["tp2xpp2", "tp2"])
+def test_lazy_from_pretrained_reads_each_rank_its_blocks(name: str) -> None:
     path = tempfile.mkdtemp(prefix="cai-hybrid-pretrained-")
     reference = hybrid_llama(TIED, layers=LAYERS)
-    reference.save_pretrained(path)
-    got = run_distributed(lazy_run, 4, "tp2xpp2", path, timeout=240)[0]
+    reference.save_pretrained(path)  # the tied weight once, under the embedding's name
+    got = run_distributed(lazy_run, LAYOUTS[name].world, name, path, timeout=240)[0]
     want = {n: p.detach() for n, p in reference.named_parameters()}
     assert_close(got["params"], want, rtol=0, atol=0, name="lazily loaded params")
     ids = batch(0)

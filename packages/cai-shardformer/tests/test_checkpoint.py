@@ -1,7 +1,7 @@
 """Checkpoint round trips of tp models through cai-ckpt: a tp=2 checkpoint loads at tp=4 (with replicated kv
-heads), in one process and in `from_pretrained` with equal logits; and tp=2 with cai-zero's fp32 masters and Adam
+heads), in one process and in `from_pretrained` with equal logits; tp=2 with cai-zero's fp32 masters and Adam
 state sharded over the data-parallel axis of a 2 x 2 mesh saves the same Hugging Face layout and loads back, and one
-process resumes from it."""
+process resumes from it; and a tied embedding under tp=2 with masters is stored once, both ways."""
 
 import importlib.util
 import pathlib
@@ -25,10 +25,10 @@ _spec.loader.exec_module(_tp)
 IDS = torch.arange(2 * 8).reshape(2, 8) * 13 % _tp.VOCAB  # the same tokens in every process
 
 
-def _other_weights():
+def _other_weights(tie: bool = False):
     """A tiny Llama whose weights differ from every saved one, so a load that skips a tensor shows."""
     torch.manual_seed(123)
-    model = _tp._tiny("llama")
+    model = _tp._tiny("llama", tie=tie)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(std=0.5)
@@ -136,3 +136,39 @@ def test_tp2_under_zero_saves_hf_layout_and_loads_back(tmp_path):
     single(input_ids=IDS, labels=IDS).loss.backward()
     opt.step()
     _tp._close(dict(single.named_parameters()), after, "one process resumed")
+
+
+def _tied_tp2_under_zero(path: str, pretrained: str):
+    """tp 2 with tied embeddings and cai-zero's masters (dp 1): save, then load `pretrained`, which stores the tied
+    weight once with no aliases (as `save_pretrained` writes it)."""
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+
+    def build(model):
+        shard_model(model, mesh)
+        opt = ZeroOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, group=mesh["dp"].get_group()
+        )
+        return model, opt
+
+    model, opt = build(_tp._tiny("llama", tie=True))
+    opt.backward(model(input_ids=IDS, labels=IDS).loss)
+    opt.step()
+    ckpt.save_model(tp_model_state(model, opt), path, config=model.config)
+    other, other_opt = build(_other_weights(tie=True))
+    ckpt.load_model(tp_model_state(other, other_opt), pretrained)
+    assert other.lm_head.weight is other.model.embed_tokens.weight
+    return _tp.gathered(model), _tp.gathered(other)
+
+
+def test_tied_embedding_under_tp_masters_is_stored_once_both_ways(tmp_path):
+    path, pretrained = str(tmp_path / "model"), str(tmp_path / "pretrained")
+    reference = _other_weights(tie=True)
+    reference.save_pretrained(pretrained)
+    saved, loaded = run_distributed(_tied_tp2_under_zero, 2, path, pretrained, timeout=300)[0]
+    assert_close(loaded, dict(reference.named_parameters()), rtol=0, atol=0, name="save_pretrained -> tp2")
+    index = ckpt.CheckpointReader(path)
+    assert "lm_head.weight" not in index.weight_map
+    assert index.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    single = _other_weights(tie=True)
+    ckpt.load_model(single, path)
+    assert_close(dict(single.named_parameters()), saved, rtol=0, atol=0, name="tp2 -> one process")

@@ -25,7 +25,7 @@ from cai.ckpt._format import (
 from cai.ckpt._groups import group_mismatches, merge_optimizer_groups, own_groups
 from cai.ckpt._load import CheckpointReader
 from cai.ckpt._optim import TorchOptimizerAdapter
-from cai.ckpt._plan import State, global_shapes, local_metadata
+from cai.ckpt._plan import State, global_shapes, tied_names
 from cai.ckpt._save import full_state, join, write_sharded
 from cai.ckpt._txn import IO_THREADS, Transaction, everyone, finish, run_parallel, wait
 from cai.mesh import ShardSpec
@@ -250,13 +250,16 @@ def save_optimizer(
     finish(txn, use_async=use_async)
 
 
-def _union_over_ranks(shapes: dict[str, tuple[int, ...]], group: Any) -> dict[str, tuple[int, ...]]:
-    """Names and global shapes reported by any rank: a sharded object lists only the pieces it holds (a small
-    ZeRO tensor can lie wholly on another rank), while a checkpoint holds them all."""
-    out: dict[str, tuple[int, ...]] = {}
-    for other in everyone(shapes, group):
-        out.update(other)
-    return out
+def _union_over_ranks(state: State, group: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Names and global shapes reported by any rank, and the tied names found by any rank: a sharded object lists
+    only the pieces it holds (a small ZeRO tensor can lie wholly on another rank), while a checkpoint holds them
+    all."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    ties: dict[str, str] = {}
+    for other_shapes, other_ties in everyone((global_shapes(state), tied_names(state)), group):
+        shapes.update(other_shapes)
+        ties.update(other_ties)
+    return shapes, ties
 
 
 def prepare_model_load(
@@ -266,8 +269,9 @@ def prepare_model_load(
     target = unwrap(target)
     reader = CheckpointReader(path, index_name=MODEL_INDEX_NAME, single_name=MODEL_SINGLE_NAME, verify=verify)
     if hasattr(target, "load_sharded_state_dict"):
-        local = global_shapes(target.sharded_state_dict())
-        reader.check(_union_over_ranks(local, group), strict=strict)
+        shapes, ties = _union_over_ranks(target.sharded_state_dict(), group)
+        reader.add_ties(ties)
+        reader.check(shapes, strict=strict)
         # Each rank reads (and verifies) different bytes: the load runs to its end on every rank, then all raise.
         reader.defer_failures = True
 
@@ -285,7 +289,7 @@ def prepare_model_load(
         raise TypeError(
             f"cannot load a model checkpoint into {type(target).__name__}: pass an nn.Module, a dict of tensors or a state-protocol object"
         )
-    tied = set(local_metadata(full_state(sd))["aliases"])  # stored once; loading the other name fills it
+    tied = set(tied_names(full_state(sd)))  # stored once; loading the other name fills it
     reader.check({k: tuple(v.shape) for k, v in sd.items()}, strict=strict, optional=tied)
     stored = reader.names()
     for k in sd:

@@ -262,6 +262,16 @@ class CheckpointReader:
     def resolve(self, name: str) -> str:
         return self.aliases.get(name, name) if name not in self.weight_map else name
 
+    def add_ties(self, ties: dict[str, str]) -> None:
+        """Let the target's tied names (``alias -> name``, one tensor under both) that the checkpoint lacks read
+        the name it has, so a weight stored once under either fills both (see [Note: tied weights])."""
+        have = self.names()
+        for alias, name in ties.items():
+            if alias not in have and name in have:
+                self.aliases[alias] = self.resolve(name)
+            elif name not in have and alias in have:
+                self.aliases[name] = self.resolve(alias)
+
     def header(self, name: str) -> dict[str, Any]:
         name = self.resolve(name)
         fname = self.weight_map[name]

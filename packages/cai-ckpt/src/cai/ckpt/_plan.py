@@ -55,11 +55,38 @@ def global_shapes(state: State) -> dict[str, tuple[int, ...]]:
     return {name: p[0].spec.global_shape for name, entry in state.items() if (p := pieces(entry))}
 
 
+# [Note: tied weights]
+# A tied weight is one tensor under several names (a causal LM's embedding and output head). A state reports it
+# either once, under its first name (`named_parameters` does), or under every name with the same piece: the same
+# memory, dtype, shape, strides and spec. A save stores such a piece once, under the first name, and records the
+# other names as aliases in the index's metadata (`tied_names`). A load takes a checkpoint of either kind into a
+# target of either kind: checkpoint aliases the target does not report are not unexpected, and a name the target
+# ties to another that the checkpoint lacks reads the stored one (`CheckpointReader.add_ties`), so a weight stored
+# once by one layout (or by `save_pretrained`) fills every name of another. (A checkpoint that stores a tied
+# weight twice, as two tensors, loads only into a target that reports both names.) A state whose pieces of a tied
+# weight are different tensors (a master copy under one name, the working parameter under the other) would be
+# stored twice: states that keep masters report the master piece under every name of the weight.
+def tied_names(state: State) -> dict[str, str]:
+    """Name -> the first name reporting the same piece, for the later names of tied weights (see [Note: tied
+    weights]); names whose piece is empty or who report several pieces are never aliases."""
+    seen: dict[tuple, str] = {}
+    out = {}
+    for name, entry in state.items():
+        shards = pieces(entry)
+        if len(shards) != 1 or not shards[0].tensor.numel():
+            continue
+        tensor, spec = shards[0]
+        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(), spec)
+        first = seen.setdefault(key, name)
+        if first != name:
+            out[name] = first
+    return out
+
+
 def local_metadata(state: State) -> dict[str, Any]:
     """What a rank publishes about its pieces: small and JSON-able. Also finds aliases (tied weights)."""
     tensors = {}
-    seen: dict[tuple, str] = {}
-    aliases = {}
+    aliases = tied_names(state)
     for name, entry in state.items():
         shards = pieces(entry)
         for tensor, spec in shards:
@@ -72,15 +99,8 @@ def local_metadata(state: State) -> dict[str, Any]:
                     f"{name}: this rank's pieces have dtypes {shards[0].tensor.dtype} and {tensor.dtype}; "
                     "report every piece of one tensor in the same dtype"
                 )
-        if not shards:
-            continue
-        if len(shards) == 1:
-            tensor, spec = shards[0]
-            key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(), spec)
-            if tensor.numel() and key in seen:
-                aliases[name] = seen[key]  # the same memory under two names: store it once
-                continue
-            seen[key] = name
+        if not shards or name in aliases:
+            continue  # an alias: the same memory as an earlier name, stored once under that name
         tensors[name] = {
             "specs": [spec.to_dict() for _, spec in shards],
             "dtype": dtype_name(shards[0].tensor.dtype),

@@ -85,10 +85,15 @@ def sharded_state_dict(model: nn.Module, rename: Rename = _same) -> dict[str, Lo
 def load_sharded_state_dict(
     model: nn.Module, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor], rename: Rename = _same
 ) -> None:
-    """Fill every block of `model` with `read(name, spec, dtype)` (what cai-ckpt's reader provides)."""
+    """Fill every block of `model` with `read(name, spec, dtype)` (what cai-ckpt's reader provides).
+
+    A tied weight is read once, under its first name: a checkpoint may store it under that name only (Hugging
+    Face's `save_pretrained` does)."""
+    first: dict[int, str] = {}
     with torch.no_grad():
-        for key, _, view, spec in _entries(model, rename):
-            view.copy_(read(key, spec, view.dtype))
+        for key, local, view, spec in _entries(model, rename):
+            if first.setdefault(id(local), key) == key:
+                view.copy_(read(key, spec, view.dtype))
 
 
 def enable_state_protocol(model: nn.Module) -> nn.Module:
@@ -175,23 +180,30 @@ class _MasterState:
 
     def sharded_state_dict(self) -> dict[str, LocalShard]:
         tp = _tp_entries(self.model, self.rename)
-        out = {key: LocalShard(view.detach(), spec) for key, (_, view, spec) in tp.items()}
-        for key, shard in self.optimizer.model_sharded_state_dict().items():
-            del out[key]  # replaced by the master piece, or by nothing when this rank's piece is all padding
-            piece = _to_global(tp, key, shard)
-            if piece is not None:
+        # The optimizer knows a tied weight by its first name only; every name of it reports the one master piece,
+        # so that it is stored once (see [Note: tied weights] in cai-ckpt's `_plan.py`).
+        masters = {
+            id(tp[key][0]): _to_global(tp, key, shard)
+            for key, shard in self.optimizer.model_sharded_state_dict().items()
+        }
+        out = {}
+        for key, (local, view, spec) in tp.items():
+            if id(local) not in masters:
+                out[key] = LocalShard(view.detach(), spec)
+            elif (piece := masters[id(local)]) is not None:  # None: this rank's piece is all padding
                 out[key] = piece
         return out
 
     def load_sharded_state_dict(self, read: Callable[[str, ShardSpec, torch.dtype], torch.Tensor]) -> None:
         tp = _tp_entries(self.model, self.rename)
-        mastered = set(self.optimizer.model_sharded_state_dict())
+        mastered = {id(tp[key][0]) for key in self.optimizer.model_sharded_state_dict()}
         self.optimizer.load_model_sharded_state_dict(
             lambda key, spec, dtype: _read_local(tp, key, read, key, spec, dtype)
         )
         with torch.no_grad():
-            for key, (_, view, spec) in tp.items():
-                if key not in mastered:
+            for key, (local, view, spec) in tp.items():
+                # every name of a mastered weight (both of a tied one) was refreshed from its master
+                if id(local) not in mastered:
                     view.copy_(read(key, spec, view.dtype))
 
 
