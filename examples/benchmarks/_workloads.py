@@ -224,12 +224,11 @@ def cai(
     batch = batch_of(booster.plugin.dp_rank)
     if lazy:
         # Parameters stay on the meta device until boost() has sharded the model: no full fp32 copy on the GPU.
+        # Built under the GPU's device, materialising replays the initialisation there, not on the host.
         from cai.booster import LazyInitContext
 
         with LazyInitContext(default_device=device):
-            model = build_model(
-                config, torch.device("cpu"), grad_ckpt=grad_ckpt, offload_activations=offload_activations
-            )
+            model = build_model(config, device, grad_ckpt=grad_ckpt, offload_activations=offload_activations)
     else:
         model = build_model(config, device, grad_ckpt=grad_ckpt, offload_activations=offload_activations)
     if kernels:

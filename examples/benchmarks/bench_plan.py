@@ -103,7 +103,7 @@ def measure(row: Row, args: argparse.Namespace) -> dict:
     )
     from transformers import LlamaForCausalLM
 
-    with LazyInitContext(default_device=device):
+    with LazyInitContext(default_device=device), torch.device(device):  # initialisation replays on the GPU
         model = LlamaForCausalLM(config)
     if c.recompute != "none" or c.offload_activations:
         activation_checkpointing(model, c.recompute, offload=c.offload_activations)

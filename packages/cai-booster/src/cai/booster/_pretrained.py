@@ -1,4 +1,5 @@
-"""Read a Hugging Face safetensors checkpoint directory straight into shards.
+"""Read a Hugging Face safetensors checkpoint directory straight into shards, and build the lazy model that
+``from_pretrained`` returns inside ``LazyInitContext``.
 
 Each requested piece is read with a safetensors slice of only the rows its ``ShardSpec`` covers, so host memory
 stays bounded by one tensor's slab (well under one shard file), whatever the model size.
@@ -6,15 +7,18 @@ stays bounded by one tensor's slab (well under one shard file), whatever the mod
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from cai.mesh import ShardSpec
 
-__all__ = ["load_pretrained_into", "safetensors_reader"]
+__all__ = ["build_from_pretrained", "load_pretrained_into", "safetensors_reader"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -62,3 +66,101 @@ def load_pretrained_into(state: object, path: str) -> None:
     once, so every requested name must be in the checkpoint (a missing name raises ``KeyError``).
     """
     state.load_sharded_state_dict(safetensors_reader(path))  # type: ignore[attr-defined]
+
+
+# from_pretrained keywords that say where the files come from: passed on with the config's
+_HUB = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+# keywords that shape only how eager loading reads or reports files: no effect on a model Booster.boost fills
+_IGNORED = (
+    "_commit_hash", "_fast_init", "_from_auto", "_from_pipeline", "adapter_name", "disable_mmap", "from_flax",
+    "from_tf", "low_cpu_mem_usage", "mirror", "offload_state_dict", "resume_download", "tqdm_class", "weights_only",
+)  # fmt: skip
+# keywords that change which weights are read or where they go: Booster.boost reads safetensors into its own layout
+_UNSUPPORTED = (
+    "adapter_kwargs", "device_map", "device_mesh", "distributed_config", "gguf_file", "ignore_mismatched_sizes",
+    "kernel_config", "key_mapping", "max_memory", "offload_buffers", "offload_folder", "output_loading_info",
+    "quantization_config", "state_dict", "tp_plan", "tp_size", "use_kernels", "variant",
+)  # fmt: skip
+_SAFETENSORS_DTYPES = {
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+
+
+def build_from_pretrained(
+    cls: type, path: str | os.PathLike, *model_args: Any, **kwargs: Any
+) -> tuple[nn.Module, str]:
+    """What ``cls.from_pretrained(path, **kwargs)`` builds, without reading weights: the config loaded with the
+    same keywords (those naming config attributes override them, the rest go to the model's ``__init__``), the
+    same ``dtype`` (``"auto"``: the config's, else the checkpoint's), ``attn_implementation`` and
+    ``trust_remote_code``. Returns the model, in eval mode as ``from_pretrained`` leaves it, and the directory
+    its safetensors files are in."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if model_args:
+        raise TypeError(
+            f"{cls.__name__}.from_pretrained inside LazyInitContext takes the model's own arguments as keywords, "
+            f"got {len(model_args)} positional"
+        )
+    given = sorted(k for k in _UNSUPPORTED if kwargs.pop(k, None) not in (None, False, {}, ""))
+    if kwargs.get("use_safetensors") is False:
+        given.append("use_safetensors=False")
+    if given:
+        raise ValueError(
+            f"{cls.__name__}.from_pretrained inside LazyInitContext: {', '.join(given)} not supported; Booster.boost "
+            "places the model and reads its safetensors weights into each rank's part, so leave them out (or build "
+            "the model outside the context)"
+        )
+    for k in (*_IGNORED, "use_safetensors"):
+        kwargs.pop(k, None)
+    trust_remote_code = kwargs.pop("trust_remote_code", None)
+    hub = {k: kwargs.pop(k) for k in _HUB if k in kwargs}
+    dtype = kwargs.pop("dtype", None)
+    legacy_dtype = kwargs.pop("torch_dtype", None)
+    dtype = dtype if dtype is not None else legacy_dtype
+    build = {k: kwargs.pop(k) for k in ("attn_implementation", "experts_implementation") if k in kwargs}
+    config = kwargs.pop("config", None)
+    kwargs.update(kwargs.pop("config_kwargs", None) or {})
+    if isinstance(config, PretrainedConfig):
+        config, model_kwargs = copy.deepcopy(config), kwargs
+    else:
+        source = config if config is not None else path
+        if cls.config_class is not None:  # the class is resolved already, remote code or not
+            config, model_kwargs = cls.config_class.from_pretrained(
+                source, return_unused_kwargs=True, **hub, **kwargs
+            )
+        else:
+            config, model_kwargs = AutoConfig.from_pretrained(
+                source, return_unused_kwargs=True, trust_remote_code=trust_remote_code, **hub, **kwargs
+            )
+        model_kwargs.pop("_commit_hash", None)
+    weights = os.path.join(os.fspath(path), hub["subfolder"]) if hub.get("subfolder") else os.fspath(path)
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or _checkpoint_dtype(weights)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype is not None:
+        build["dtype"] = dtype
+    config.name_or_path = os.fspath(path)
+    model = cls._from_config(config, **build, **model_kwargs)
+    return model.eval(), weights
+
+
+def _checkpoint_dtype(path: str) -> torch.dtype | None:
+    """The dtype of the first floating-point tensor of a local safetensors checkpoint (``dtype="auto"``)."""
+    from safetensors import safe_open
+
+    try:
+        weight_map = _weight_map(path)
+    except FileNotFoundError:
+        return None
+    for file in dict.fromkeys(weight_map.values()):
+        with safe_open(file, framework="pt") as f:
+            names = f.keys()
+            for name in names:
+                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
