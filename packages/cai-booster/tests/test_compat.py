@@ -9,8 +9,14 @@ import re
 import pytest
 import torch
 
-from cai.booster.plugin import GeminiPlugin, LowLevelZeroConfig, LowLevelZeroPlugin
-from cai.booster.plugin._compat import GEMINI_ARGS, LOW_LEVEL_ZERO_ARGS
+from cai.booster.plugin import (
+    GeminiPlugin,
+    HybridParallelPlugin,
+    LowLevelZeroConfig,
+    LowLevelZeroPlugin,
+    MoeHybridParallelPlugin,
+)
+from cai.booster.plugin._compat import GEMINI_ARGS, HYBRID_ARGS, LOW_LEVEL_ZERO_ARGS, MOE_HYBRID_ARGS
 from cai.gemini import ChunkConfig, GeminiConfig
 from cai.gemini import LossScaleConfig as GeminiLossScale
 from cai.zero import LossScaleConfig as ZeroLossScale
@@ -60,6 +66,69 @@ def test_every_colossal_name_is_in_exactly_one_table(args, signature, cai_own) -
 )
 def test_colossal_defaults_spelled_out_equal_no_arguments(cls, signature) -> None:
     assert cls(**signature).config == cls().config
+
+
+# HybridParallelPlugin's and MoeHybridParallelPlugin's parameter order, as Colossal-AI's documentation gives it.
+_HYBRID_NAMES = (
+    "tp_size pp_size sp_size precision zero_stage enable_all_optimization enable_fused_normalization "
+    "enable_flash_attention enable_jit_fused enable_sequence_parallelism sequence_parallelism_mode parallel_output "
+    "num_microbatches microbatch_size initial_scale min_scale growth_factor backoff_factor growth_interval "
+    "hysteresis max_scale max_norm broadcast_buffers ddp_bucket_cap_mb find_unused_parameters check_reduction "
+    "gradient_as_bucket_view static_graph zero_bucket_size_in_m cpu_offload communication_dtype "
+    "overlap_communication custom_policy pp_style num_model_chunks scheduler_nodes num_layers_per_stage "
+    "gradient_checkpoint_config enable_metadata_cache make_vocab_size_divisible_by dp_outside overlap_p2p "
+    "overlap_allgather fp8_communication use_fp8 inner_ring_size"
+)
+COLOSSAL_HYBRID_ORDER = _HYBRID_NAMES.split()
+COLOSSAL_MOE_ORDER = [
+    *COLOSSAL_HYBRID_ORDER[:2], "ep_size", *COLOSSAL_HYBRID_ORDER[2:40], "moe_dp_outside",
+    *COLOSSAL_HYBRID_ORDER[41:45],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "order"),
+    [
+        (LOW_LEVEL_ZERO_ARGS, list(COLOSSAL_LOW_LEVEL_ZERO)),
+        (GEMINI_ARGS, list(COLOSSAL_GEMINI)),
+        (HYBRID_ARGS, COLOSSAL_HYBRID_ORDER),
+        (MOE_HYBRID_ARGS, COLOSSAL_MOE_ORDER),
+    ],
+    ids=["zero", "gemini", "hybrid", "moe"],
+)
+def test_positional_arguments_follow_colossal_order(args, order) -> None:
+    assert list(args.positional) == order
+
+
+@pytest.mark.parametrize(
+    ("cls", "signature"), [(LowLevelZeroPlugin, COLOSSAL_LOW_LEVEL_ZERO), (GeminiPlugin, COLOSSAL_GEMINI)]
+)
+def test_colossal_arguments_by_position_equal_by_keyword(cls, signature) -> None:
+    assert cls(*signature.values()).config == cls(**signature).config
+    assert LowLevelZeroPlugin(2, "bf16").config == LowLevelZeroPlugin(stage=2, precision="bf16").config
+    with raises(TypeError, f"{cls.__name__}() takes at most {len(signature)} positional arguments"):
+        cls(*signature.values(), None)
+    with raises(TypeError, f"{cls.__name__}() got multiple values for", repr(next(iter(signature)))):
+        cls(next(iter(signature.values())), **{next(iter(signature)): next(iter(signature.values()))})
+
+
+def test_hybrid_arguments_by_position() -> None:
+    by_position = HybridParallelPlugin(2, 1, None, "bf16", 1)
+    assert (
+        by_position.config
+        == HybridParallelPlugin(tp_size=2, pp_size=1, precision="bf16", zero_stage=1).config
+    )
+    moe = MoeHybridParallelPlugin(1, 1, 2, None, "bf16", 1)
+    assert (
+        moe.config
+        == MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="bf16", zero_stage=1).config
+    )
+
+
+def test_chunk_config_dict_as_colossal_search_returns_it() -> None:
+    nested = GeminiPlugin(chunk_config_dict={4: {"chunk_size": 1 << 20, "keep_gathered": False}})
+    assert nested.config == GeminiPlugin(chunk_config_dict={"chunk_size": 1 << 20}).config
+    assert nested.config.chunk.chunk_size == 1 << 20
 
 
 def test_low_level_zero_script_maps_onto_the_config() -> None:
@@ -198,7 +267,9 @@ def test_every_rejected_name_raises_with_its_value_and_the_fix(args, cls) -> Non
         (LowLevelZeroPlugin, {"hysteresis": 0}, "hysteresis=0 is invalid"),
         (GeminiPlugin, {"offload_optim_frac": 1.5}, "offload_optim_frac=1.5 is invalid"),
         (GeminiPlugin, {"placement_policy": "cuda"}, "placement_policy='cuda' is invalid"),
-        (GeminiPlugin, {"chunk_config_dict": {"chunk_size": 8, "keep_gathered": True}}, "chunk_config_dict={'chunk_size': 8, 'keep_gathered': True} has keys ['keep_gathered']"),
+        (GeminiPlugin, {"chunk_config_dict": {"chunk_size": 8, "keep_gathered": True}}, "chunk_config_dict={'chunk_size': 8, 'keep_gathered': True} has keep_gathered=True"),
+        (GeminiPlugin, {"chunk_config_dict": {2: {"chunk_size": 8}, 4: {"chunk_size": 16}}}, "chunk_config_dict={2: {'chunk_size': 8}, 4: {'chunk_size': 16}} has chunk sizes [8, 16] for different dp degrees"),
+        (GeminiPlugin, {"chunk_config_dict": {"chunk_size": 8, "hidden_dim": 4}}, "chunk_config_dict={'chunk_size': 8, 'hidden_dim': 4} has keys ['hidden_dim'] that are not supported"),
         (GeminiPlugin, {"search_range_m": -1}, "search_range_m=-1 is invalid"),
         (GeminiPlugin, {"initial_scale": 0.5, "min_scale": 1}, "initial_scale=0.5, min_scale=1 are invalid"),
         (GeminiPlugin, {"precision": "fp8"}, "precision='fp8' is invalid"),

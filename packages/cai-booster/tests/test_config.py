@@ -28,7 +28,10 @@ def test_mixed_precision_with_a_plugin_that_controls_precision() -> None:
     ):
         Booster(plugin=TorchFSDPPlugin(), mixed_precision="bf16", device="cpu")
     with raises("plugins that take Booster mixed_precision: TorchDDPPlugin"):
-        Booster(plugin=LowLevelZeroPlugin(), mixed_precision="fp16", device="cpu")
+        Booster(plugin=LowLevelZeroPlugin(precision="bf16"), mixed_precision="fp16", device="cpu")
+    # the same precision as the plugin's is no conflict (Colossal-AI scripts often pass both)
+    booster = Booster(plugin=LowLevelZeroPlugin(precision="bf16"), mixed_precision="bf16", device="cpu")
+    assert booster.mixed_precision is None and booster.plugin.precision == "bf16"
 
 
 def test_unknown_precisions_name_the_supported_ones() -> None:

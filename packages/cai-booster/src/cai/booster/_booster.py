@@ -73,11 +73,13 @@ class Booster:
         name = self.plugin.name
         mp = mixed_precision_factory(mixed_precision)
         if mp is not None and caps.control_precision:
-            raise ValueError(
-                f"Booster: {name} controls precision, so mixed_precision={mp.precision!r} would be ignored; pass "
-                f"precision={mp.precision!r} to {name} instead (plugins that take Booster mixed_precision: "
-                f"{_names(lambda p: not p.CONTROLS_PRECISION)})"
-            )
+            if mp.precision != (self.plugin.precision or "fp32"):
+                raise ValueError(
+                    f"Booster: {name} controls precision, so mixed_precision={mp.precision!r} would be ignored; "
+                    f"pass precision={mp.precision!r} to {name} instead (plugins that take Booster "
+                    f"mixed_precision: {_names(lambda p: not p.CONTROLS_PRECISION)})"
+                )
+            mp = None  # it says what the plugin does already
         precision = mp.precision if mp is not None else (self.plugin.precision or "fp32")
         if precision not in caps.precisions:
             raise ValueError(

@@ -231,6 +231,9 @@ class GeminiOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One update of every trainable chunk's shard (skipped, with the loss scale backed off, on fp16 overflow)."""
         loss = closure() if closure is not None else None
+        # The wrapped optimizer's own step never runs (the chunks are updated here): set the mark its wrapped step
+        # would set, so a torch LR scheduler built on it does not warn that it stepped first.
+        self.optim._opt_called = True
         chunks = self._trainable()
         for c in chunks:
             if c.unreduced is not None:

@@ -15,7 +15,8 @@ config's own, such as ``precision="fp16"``) overlaid with the keywords given. Wi
 as it is; a mapped keyword is still allowed when it agrees with the config (a script that passes
 ``precision="bf16"`` next to a config that says bf16 is not wrong), and raises when it disagrees, because either
 choice would silently drop the other. Every error about a keyword names it and the value the user passed, in the
-user's units, never only the config field it became.
+user's units, never only the config field it became. Arguments may also be given by position, in Colossal-AI's
+order (``PluginArgs.positional``): ``HybridParallelPlugin(2, 1)`` is tp 2, pp 1.
 """
 
 from __future__ import annotations
@@ -79,11 +80,25 @@ class PluginArgs:
     ignored: Mapping[str, str] = field(default_factory=dict)
     rejected: tuple[Rejected, ...] = ()
     plugin: Mapping[str, str] = field(default_factory=dict)
+    positional: tuple[str, ...] = ()  # Colossal-AI's parameter order, for arguments given by position
 
     def names(self) -> list[str]:
         return sorted(
             {*self.mapped, *self.ignored, *self.plugin, *(n for r in self.rejected for n in r.names)}
         )
+
+    def by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with the positional ``args`` named in Colossal-AI's order."""
+        if len(args) > len(self.positional):
+            raise TypeError(
+                f"{self.owner}() takes at most {len(self.positional)} positional arguments "
+                f"({', '.join(self.positional)}), got {len(args)}; pass the others by keyword"
+            )
+        named = dict(zip(self.positional, args))
+        twice = sorted(set(named) & set(kwargs))
+        if twice:
+            raise TypeError(f"{self.owner}() got multiple values for {', '.join(map(repr, twice))}")
+        return {**named, **kwargs}
 
 
 # ---- LowLevelZeroPlugin ---------------------------------------------------------------------------------------
@@ -112,6 +127,14 @@ _LOSS_SCALE = {
         "max_scale",
     )
 }  # fmt: skip
+
+# Colossal-AI's parameter order, for arguments given by position
+_LOW_LEVEL_ZERO_ORDER = (
+    "stage", "precision", "initial_scale", "min_scale", "growth_factor", "backoff_factor", "growth_interval",
+    "hysteresis", "max_scale", "max_norm", "norm_type", "reduce_bucket_size_in_m", "communication_dtype",
+    "overlap_communication", "overlap_allgather", "cpu_offload", "master_weights", "verbose", "cast_inputs",
+    "fp8_communication", "use_fp8", "extra_dp_size",
+)  # fmt: skip
 
 LOW_LEVEL_ZERO_ARGS = PluginArgs(
     owner="LowLevelZeroPlugin",
@@ -146,26 +169,54 @@ LOW_LEVEL_ZERO_ARGS = PluginArgs(
         Rejected(("master_weights",), True, "use master_weights=True; fp32 masters are kept"),
         Rejected(("extra_dp_size",), 1, "use 1 (the ZeRO group is the whole world)"),
     ),
+    positional=_LOW_LEVEL_ZERO_ORDER,
 )
 
 
 # ---- GeminiPlugin ---------------------------------------------------------------------------------------------
 
 
+def _chunk_entries(value: Mapping) -> list[Mapping]:
+    """Colossal-AI's chunk configurations: ``{"chunk_size": n}``, or ``{dp degree: {"chunk_size": n,
+    "keep_gathered": False}}`` as its ``search_chunk_configuration`` returns them."""
+    if value and all(isinstance(k, int) and not isinstance(k, bool) for k in value):
+        return list(value.values())
+    return [value]
+
+
 def _chunk_size(chunk_config_dict: dict | None) -> int | None:
-    return dict(chunk_config_dict or {}).get("chunk_size")
+    return _chunk_entries(chunk_config_dict)[0].get("chunk_size") if chunk_config_dict else None
 
 
 def _chunk_dict_check(value: Any) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, Mapping):
-        return "must be a dict such as {'chunk_size': 2**24} or None"
-    extra = sorted(set(value) - {"chunk_size"})
-    return f"has keys {extra} that are not supported; only 'chunk_size'" if extra else None
+    if not isinstance(value, Mapping) or not all(isinstance(e, Mapping) for e in _chunk_entries(value)):
+        return "must be a dict such as {'chunk_size': 2**24} (or {dp_degree: {'chunk_size': ...}}) or None"
+    entries = _chunk_entries(value)
+    extra = sorted({k for e in entries for k in e} - {"chunk_size", "keep_gathered"})
+    if extra:
+        return f"has keys {extra} that are not supported; only 'chunk_size' and 'keep_gathered'"
+    if any(e.get("keep_gathered") for e in entries):
+        return "has keep_gathered=True, which is not supported; use shard_param_frac=0.0 to keep parameters gathered"
+    sizes = [e.get("chunk_size") for e in entries]
+    if len(set(sizes)) > 1:
+        return f"has chunk sizes {sizes} for different dp degrees; cai uses one chunk size"
+    return None
 
 
 _KERNELS = "True applies cai-kernels to the model at boost() (cai.kernels.patch_hf_model)"
+
+_GEMINI_ORDER = (
+    "chunk_config_dict", "chunk_init_device", "placement_policy", "enable_gradient_accumulation",
+    "max_prefetch", "shard_param_frac", "offload_optim_frac", "offload_param_frac",
+    "warmup_non_model_data_ratio", "steady_cuda_cap_ratio", "precision", "master_weights", "pin_memory",
+    "force_outputs_fp32", "strict_ddp_mode", "search_range_m", "hidden_dim", "min_chunk_size_m", "memstats",
+    "gpu_margin_mem_ratio", "initial_scale", "min_scale", "growth_factor", "backoff_factor", "growth_interval",
+    "hysteresis", "max_scale", "max_norm", "norm_type", "tp_size", "extra_dp_size", "enable_all_optimization",
+    "enable_fused_normalization", "enable_flash_attention", "enable_sequence_parallelism", "enable_jit_fused",
+    "enable_async_reduce", "use_fp8", "verbose", "fp8_communication",
+)  # fmt: skip
 
 GEMINI_ARGS = PluginArgs(
     owner="GeminiPlugin",
@@ -224,6 +275,7 @@ GEMINI_ARGS = PluginArgs(
             "accumulates too); without it, accumulate inside no_sync()"
         ),
     },
+    positional=_GEMINI_ORDER,
 )
 
 
@@ -263,6 +315,18 @@ def _checkpoint_config_check(value: Any) -> str | None:
 
 
 _NO_DDP = "no torch DDP inside: gradients are reduced in cai-zero's flat buckets (zero_bucket_size_in_m)"
+
+_HYBRID_ORDER = (
+    "tp_size", "pp_size", "sp_size", "precision", "zero_stage", "enable_all_optimization",
+    "enable_fused_normalization", "enable_flash_attention", "enable_jit_fused", "enable_sequence_parallelism",
+    "sequence_parallelism_mode", "parallel_output", "num_microbatches", "microbatch_size", "initial_scale",
+    "min_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "max_scale", "max_norm",
+    "broadcast_buffers", "ddp_bucket_cap_mb", "find_unused_parameters", "check_reduction",
+    "gradient_as_bucket_view", "static_graph", "zero_bucket_size_in_m", "cpu_offload", "communication_dtype",
+    "overlap_communication", "custom_policy", "pp_style", "num_model_chunks", "scheduler_nodes",
+    "num_layers_per_stage", "gradient_checkpoint_config", "enable_metadata_cache", "make_vocab_size_divisible_by",
+    "dp_outside", "overlap_p2p", "overlap_allgather", "fp8_communication", "use_fp8", "inner_ring_size",
+)  # fmt: skip
 
 HYBRID_ARGS = PluginArgs(
     owner="HybridParallelPlugin",
@@ -330,8 +394,15 @@ HYBRID_ARGS = PluginArgs(
         ),
         Rejected(("inner_ring_size",), None, "leave it None (double-ring attention is not built)"),
     ),
+    positional=_HYBRID_ORDER,
 )
 
+
+# Colossal-AI's order: ep_size third; no inner_ring_size, moe_dp_outside in place of dp_outside
+_MOE_HYBRID_ORDER = (
+    *_HYBRID_ORDER[:2], "ep_size", *_HYBRID_ORDER[2:40], "moe_dp_outside",
+    *_HYBRID_ORDER[41:45],
+)  # fmt: skip
 
 MOE_HYBRID_ARGS = PluginArgs(
     owner="MoeHybridParallelPlugin",
@@ -342,6 +413,7 @@ MOE_HYBRID_ARGS = PluginArgs(
         "moe_dp_outside": "the mesh order is fixed: pp, dp, ep, sp, tp from outer to inner",
     },
     rejected=HYBRID_ARGS.rejected,
+    positional=_MOE_HYBRID_ORDER,
 )
 
 

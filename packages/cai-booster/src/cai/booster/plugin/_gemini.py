@@ -67,9 +67,10 @@ class GeminiPlugin(DPPluginBase):
     LORA = False
     NO_SYNC = True
 
-    def __init__(self, *, config: GeminiConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, config: GeminiConfig | None = None, **kwargs: Any) -> None:
         from cai.gemini import GeminiConfig
 
+        kwargs = GEMINI_ARGS.by_name(args, kwargs)
         own = {name: kwargs.pop(name) for name in list(kwargs) if name in GEMINI_ARGS.plugin}
         cfg: GeminiConfig = config_from_kwargs(GEMINI_ARGS, GeminiConfig, config, kwargs)
         if own.pop("enable_gradient_accumulation", False):

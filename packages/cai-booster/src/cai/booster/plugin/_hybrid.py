@@ -88,9 +88,9 @@ class HybridParallelPlugin(Plugin):
     _ARGS = HYBRID_ARGS  # Colossal-AI's keywords (cai/booster/plugin/_compat.py) and the config they build
     _CONFIG: type = HybridParallelConfig
 
-    def __init__(self, *, config: HybridParallelConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, config: HybridParallelConfig | None = None, **kwargs: Any) -> None:
         self.config: HybridParallelConfig = config_from_kwargs(
-            self._ARGS, self._CONFIG, config, hybrid_sp_kwargs(kwargs)
+            self._ARGS, self._CONFIG, config, hybrid_sp_kwargs(self._ARGS.by_name(args, kwargs))
         )
         self._mesh: ParallelMesh | None = None
         if dist.is_available() and dist.is_initialized():

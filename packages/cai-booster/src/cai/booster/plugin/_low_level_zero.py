@@ -115,9 +115,9 @@ class LowLevelZeroPlugin(DPPluginBase):
     LORA = True
     NO_SYNC = True
 
-    def __init__(self, *, config: LowLevelZeroConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, config: LowLevelZeroConfig | None = None, **kwargs: Any) -> None:
         self.config: LowLevelZeroConfig = config_from_kwargs(
-            LOW_LEVEL_ZERO_ARGS, LowLevelZeroConfig, config, kwargs
+            LOW_LEVEL_ZERO_ARGS, LowLevelZeroConfig, config, LOW_LEVEL_ZERO_ARGS.by_name(args, kwargs)
         )
 
     @property
