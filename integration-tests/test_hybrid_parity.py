@@ -1,5 +1,5 @@
-"""HybridParallelPlugin against one process: each layout x {plain, gradient accumulation, clipping}, 20 AdamW
-steps of a tiny Llama through ``Booster``, in fp32.
+"""HybridParallelPlugin against one process: each layout x {plain, gradient accumulation, clipping}, and the
+pipelined layouts with their first stage frozen, 20 AdamW steps of a tiny Llama through ``Booster``, in fp32.
 
 The test process trains the one-process reference on the whole global batch (once per model and mode, cached) and
 hands it to every rank, which compares inside the worker. Each data-parallel rank gets its own slice of the global batch, so a missing or doubled
@@ -120,6 +120,19 @@ class Case:
 
 
 CASES = [Case(layout=lay, mode=m) for lay in LAYOUTS for m in MODES]
+# The first pipeline stage entirely frozen (the embedding and the first half of the blocks): a stage with nothing to
+# train still runs the schedule, and the others train as in one process.
+CASES += [
+    Case(layout=lay, mode="frozen") for lay in LAYOUTS if lay.name in ("pp2", "pp2xdp2-zero1", "tp2xpp2")
+]
+
+
+def freeze(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    if mode == "frozen":
+        model.model.embed_tokens.requires_grad_(False)
+        for block in model.model.layers[: len(model.model.layers) // 2]:
+            block.requires_grad_(False)
+    return model
 
 
 def batch(step: int) -> dict[str, torch.Tensor]:
@@ -141,8 +154,8 @@ def reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.T
 
 
 def _reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = hybrid_llama(tied)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    model = freeze(hybrid_llama(tied), mode)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
     micro = 2 if mode == "accum" else 1
     losses = []
     for step in range(STEPS):
@@ -167,8 +180,8 @@ def boosted_run(case: Case, reference: tuple[list[float], dict[str, torch.Tensor
     plugin = HybridParallelPlugin(precision="fp32", max_norm=MAX_NORM if case.mode == "clip" else 0.0,
                                   **case.layout.plugin_kwargs())  # fmt: skip
     booster = Booster(plugin=plugin, device="cpu")
-    model = hybrid_llama(case.layout.tied)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    model = freeze(hybrid_llama(case.layout.tied), case.mode)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
     model, opt, *_ = booster.boost(model, opt)
     dp, dp_rank = plugin.mesh.size("dp"), plugin.mesh.coordinate("dp")
     micro = 2 if case.mode == "accum" else 1

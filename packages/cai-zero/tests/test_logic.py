@@ -140,6 +140,9 @@ def test_construction_errors_name_the_problem() -> None:
         ZeroOptimizer(torch.optim.SGD([*model.parameters(), stray], lr=0.1), model=model)
     with pytest.raises(ValueError, match="only for fp16"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, loss_scale=LossScaleConfig())
+    frozen = _mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        ZeroOptimizer(torch.optim.SGD(frozen.parameters(), lr=0.1), model=frozen)
     with pytest.raises(ValueError, match="overlap_allgather=True needs the model"):
         ZeroOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1),

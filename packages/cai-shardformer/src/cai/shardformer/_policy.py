@@ -165,6 +165,14 @@ def _set_path(root: nn.Module, path: str, value: Any) -> None:
     setattr(obj, last, value)
 
 
+def _keep_frozen(native: nn.Module, new: nn.Module) -> None:
+    """A replaced layer's parameters train as the native layer's of the same names did: frozen stays frozen."""
+    old = dict(native.named_parameters())
+    for name, p in new.named_parameters():
+        if name in old:
+            p.requires_grad_(old[name].requires_grad)
+
+
 def _get_path(root: nn.Module, path: str) -> Any:
     obj = root
     for p in path.split("."):
@@ -201,6 +209,7 @@ def apply_module_policy(
                     f"or set ignore_if_not_exist=True"
                 )
             new = sub.target_module.from_native_module(native, process_group=group, **(sub.kwargs or {}))
+            _keep_frozen(native, new)
             _set_path(module, sub.suffix, new)
         for path in desc.tp_input_regions or []:
             region = _get_path(module, path)

@@ -48,11 +48,6 @@ NamedParams = nn.Module | Iterable[tuple[str, nn.Parameter]]
 _NONE: Mapping[str, Any] = MappingProxyType({})  # the default of ``replicas`` and ``shared``
 
 
-def _named_parameters(model: NamedParams) -> dict[int, str]:
-    items = model.named_parameters() if isinstance(model, nn.Module) else model
-    return {id(p): name for name, p in items}
-
-
 class ZeroOptimizer:
     """Shard a torch optimizer's state and fp32 master weights (stage 1) and gradients (stage 2) over a group,
     or keep them whole on every rank with fp32 masters and bucketed all-reduces (stage 0).
@@ -67,7 +62,8 @@ class ZeroOptimizer:
         loss_scale: :class:`LossScaleConfig` for fp16 working parameters (default one if None); must be None
             for bf16 and fp32, which are never scaled.
         group: data-parallel process group (default: the world; a single process without torch.distributed).
-        norm_groups: extra process groups the gradient norm is summed over (tensor/pipeline parallel).
+        norm_groups: extra process groups the gradient norm is summed over (tensor/pipeline parallel). With them the
+            optimizer may hold nothing to train (a frozen pipeline stage); without them that raises.
         replicas: parameter name -> k, the number of ranks across ``norm_groups`` and ``extra_groups`` that hold an
             identical gradient of it (a layer norm weight replicated over a tensor-parallel group of size t: k = t;
             a tied embedding on two pipeline stages: k = 2; both: the product). The gradient norm counts its
@@ -156,7 +152,8 @@ class ZeroOptimizer:
             if all(g is not h for h in self._groups):
                 self._groups.append(g)
 
-        names = _named_parameters(model)
+        items = list(model.named_parameters() if isinstance(model, nn.Module) else model)
+        names = {id(p): name for name, p in items}
         unknown = sorted(set(replicas) - set(names.values()))
         if unknown:
             raise ValueError(
@@ -180,7 +177,9 @@ class ZeroOptimizer:
             groups.append(named)
             self._group_names.append([n for n, _ in named])
         trainable = [p for named in groups for _, p in named]
-        if not trainable:
+        if not trainable and not self.norm_groups:
+            # with norm_groups this rank holds one part of a model (an all-frozen pipeline stage): it has nothing
+            # to update but still joins the norm's and the overflow check's reductions
             raise ValueError("ZeroOptimizer: the optimizer has no parameter with requires_grad=True")
         unknown = sorted(set(reduce_groups) - {n for named in self._group_names for n in named})
         if unknown:
@@ -198,7 +197,8 @@ class ZeroOptimizer:
                 f"ZeroOptimizer: shared parameters {sorted(shared)} need overlap_cpu_step=False: the overlapped CPU "
                 "step runs during backward, before their gradients are summed over their groups"
             )
-        self.device = trainable[0].device
+        # nothing to train (a frozen pipeline stage): the device of its frozen parameters, for the reductions
+        self.device = (trainable or [p for _, p in items] or [torch.empty(0)])[0].device
         dtypes = {p.dtype for p in trainable}
         if any(p.device != self.device for p in trainable):
             raise ValueError(
@@ -206,7 +206,8 @@ class ZeroOptimizer:
             )
         if not all(d in (torch.float32, torch.bfloat16, torch.float16) for d in dtypes):
             raise ValueError(f"ZeroOptimizer: working dtypes {dtypes}; use float32, bfloat16 or float16")
-        if torch.float16 in dtypes:
+        if torch.float16 in dtypes or (not trainable and loss_scale is not None):
+            # an empty part of an fp16 model keeps the scaler its other parts keep, to join their overflow checks
             self.scaler: DynamicLossScaler | None = DynamicLossScaler(loss_scale or LossScaleConfig())
         elif loss_scale is not None:
             raise ValueError(f"ZeroOptimizer: loss_scale is only for fp16 parameters; these are {dtypes}")

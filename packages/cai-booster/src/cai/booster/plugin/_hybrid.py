@@ -317,7 +317,7 @@ class HybridParallelPlugin(Plugin):
         tied_group = getattr(module, "tied_group", None)
         if tied_group is not None:
             ids = {id(p) for p in module.shared_params()}
-            shared = {n: tied_group for n, p in named if id(p) in ids}
+            shared = {n: tied_group for n, p in named if id(p) in ids and p.requires_grad}  # frozen: no sums
         replicas = _replicas(module, rename, self.tp_group if self.tp_size > 1 else None, named)
         for n in shared:
             replicas[n] = replicas.get(n, 1) * 2
