@@ -1,10 +1,11 @@
-"""prepare_dataloader: ranks partition the data, seeds differ per rank, and the position resumes exactly."""
+"""prepare_dataloader: ranks partition the data, seeds differ per rank, the position resumes exactly, also with a
+user's DistributedSampler subclass (distributed_sampler_cls)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 
 from cai.booster import prepare_dataloader
 
@@ -62,6 +63,31 @@ def test_resume_mid_epoch(stop_after: int) -> None:
     assert got + _indices(resumed) == expected
     resumed.set_epoch(3)  # a new epoch starts from its beginning
     assert len(_indices(resumed)) == 10
+
+
+class Backwards(DistributedSampler):
+    """This rank's share, last sample first."""
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[::-1])
+
+
+def test_distributed_sampler_cls_orders_and_resumes() -> None:
+    data = Numbers(30)
+    make = lambda: prepare_dataloader(  # noqa: E731
+        data, 2, dp_rank=1, dp_size=3, shuffle=True, seed=5, distributed_sampler_cls=Backwards
+    )
+    plain = prepare_dataloader(data, 2, dp_rank=1, dp_size=3, shuffle=True, seed=5)
+    expected = _indices(make())
+    assert expected == _indices(plain)[::-1]
+    first = make()
+    it = iter(first)
+    got = _indices([next(it) for _ in range(2)])
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert got + _indices(resumed) == expected
+    with pytest.raises(TypeError, match="must be a torch DistributedSampler subclass"):
+        prepare_dataloader(data, 2, dp_rank=0, dp_size=1, distributed_sampler_cls=list)
 
 
 def test_end_of_epoch_state_moves_to_next_epoch() -> None:

@@ -83,6 +83,19 @@ class ResumableDataLoader(DataLoader):
         self._consumed = consumed
 
 
+def _sampler_cls(cls: type | None) -> type[StatefulDistributedSampler]:
+    """The sampler for ``distributed_sampler_cls`` (Colossal-AI's argument): a ``DistributedSampler`` subclass,
+    made resumable by putting ``StatefulDistributedSampler`` in front of it (its order, skipped into on resume)."""
+    if cls is None or issubclass(cls, StatefulDistributedSampler):
+        return cls or StatefulDistributedSampler
+    if not (isinstance(cls, type) and issubclass(cls, DistributedSampler)):
+        raise TypeError(
+            f"prepare_dataloader: distributed_sampler_cls={cls!r} must be a torch DistributedSampler subclass (built "
+            "with num_replicas, rank, shuffle, seed and drop_last); it is made resumable by cai"
+        )
+    return type(f"Stateful{cls.__name__}", (StatefulDistributedSampler, cls), {})
+
+
 def _seed_worker(worker_id: int, *, base_seed: int) -> None:
     seed = base_seed + worker_id
     torch.manual_seed(seed)
@@ -141,7 +154,8 @@ def prepare_dataloader(
     """Build a ``ResumableDataLoader`` that gives data-parallel rank ``dp_rank`` its share of ``dataset``.
 
     Ranks share the shuffle seed (they partition one permutation) but get distinct worker and generator seeds
-    (``seed + 1000 * dp_rank``) so random augmentations differ per rank. Extra ``kwargs`` go to ``DataLoader``.
+    (``seed + 1000 * dp_rank``) so random augmentations differ per rank. ``distributed_sampler_cls``: a
+    ``DistributedSampler`` subclass to order the samples (resumable too). Extra ``kwargs`` go to ``DataLoader``.
     """
     if batch_size < 1:
         raise ValueError(f"prepare_dataloader: batch_size {batch_size} must be >= 1")
@@ -153,8 +167,7 @@ def prepare_dataloader(
             raise ValueError(
                 f"prepare_dataloader: {key}= is chosen by the plugin; remove it (got {kwargs[key]!r})"
             )
-    kwargs.pop("distributed_sampler_cls", None)
-    sampler = StatefulDistributedSampler(
+    sampler = _sampler_cls(kwargs.pop("distributed_sampler_cls", None))(
         dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
     rank_seed = seed + 1000 * dp_rank
