@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
 import torch
+from torch import nn
 
 from cai.booster import Booster, LossScalerConfig, MixedPrecision, mixed_precision_factory
 from cai.booster.plugin import (
@@ -80,18 +82,35 @@ def test_fsdp_arguments() -> None:
         "sharding_strategy 'HYBRID_SHARD' is not supported; use one of ['FULL_SHARD', 'SHARD_GRAD_OP']"
     ):
         TorchFSDPPlugin(sharding_strategy="HYBRID_SHARD")
-    with raises("auto_wrap_policy=<built-in function len> is an FSDP1 option"):
+    with raises("auto_wrap_policy=<built-in function len> is not supported; FSDP2 shards whole submodules"):
         TorchFSDPPlugin(auto_wrap_policy=len)
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
+
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear, nn.Embedding})
+    assert TorchFSDPPlugin(auto_wrap_policy=policy).config.wrap_module_names == ("Embedding", "Linear")
+    assert TorchFSDPPlugin(auto_wrap_policy=ModuleWrapPolicy({nn.Linear})).config.wrap_module_names == (
+        "Linear",
+    )
+    with raises("auto_wrap_policy wraps ['Linear'], wrap_module_names=['Block']; give one of them"):
+        TorchFSDPPlugin(auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), wrap_module_names=("Block",))
     with raises("sharding_strategy='SHARD_GRAD_OP' conflicts with reshard_after_forward=True"):
         TorchFSDPPlugin(sharding_strategy="SHARD_GRAD_OP", reshard_after_forward=True)
     assert TorchFSDPPlugin(sharding_strategy="SHARD_GRAD_OP").config.reshard_after_forward is False
 
-    class TorchMP:  # stands in for torch.distributed.fsdp.MixedPrecision
-        param_dtype = torch.bfloat16
+    from torch.distributed.fsdp import MixedPrecision
 
-    assert TorchFSDPPlugin(mixed_precision=TorchMP()).config.precision == "bf16"
+    bf16 = TorchFSDPPlugin(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)).config
+    assert (bf16.precision, bf16.reduce_precision) == ("bf16", "fp32")  # reduce_dtype=None: fp32 reductions
+    both = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert TorchFSDPPlugin(mixed_precision=both).config.reduce_precision == "bf16"
     with raises("precision='fp16' conflicts with mixed_precision.param_dtype (bf16)"):
-        TorchFSDPPlugin(mixed_precision=TorchMP(), precision="fp16")
+        TorchFSDPPlugin(mixed_precision=both, precision="fp16")
+    with raises("mixed_precision.buffer_dtype is an FSDP1 option"):
+        TorchFSDPPlugin(
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+        )
+    with raises("param_dtype and reduce_dtype must be torch.float32, torch.bfloat16, torch.float16 or None"):
+        TorchFSDPPlugin(mixed_precision=MixedPrecision(param_dtype=torch.float64))
 
 
 def test_ddp_arguments() -> None:

@@ -37,7 +37,8 @@ class FSDPConfig:
     """How the plugin applies ``fully_shard``.
 
     Attributes:
-        precision: compute dtype of the gathered parameters; master weights and gradient reduction stay fp32.
+        precision: compute dtype of the gathered parameters; master weights stay fp32.
+        reduce_precision: dtype gradients are reduce-scattered in (default fp32, whatever ``precision`` is).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them until backward.
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU (``CPUOffloadPolicy``).
         wrap_module_names: class names of the submodules sharded as their own unit (one all-gather each); None
@@ -45,12 +46,14 @@ class FSDPConfig:
     """
 
     precision: str = "fp32"
+    reduce_precision: str = "fp32"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     wrap_module_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         check_precision(self.precision, _PRECISIONS, owner="TorchFSDPPlugin")
+        check_precision(self.reduce_precision, _PRECISIONS, owner="TorchFSDPPlugin (reduce_precision)")
 
 
 class TorchFSDPPlugin(DPPluginBase):
@@ -60,9 +63,11 @@ class TorchFSDPPlugin(DPPluginBase):
     ``reshard_after_forward=True``, ``wrap_module_names=None`` (see ``FSDPConfig``), and Colossal-AI's names:
     ``sharding_strategy`` (``"FULL_SHARD"``/``"SHARD_GRAD_OP"`` or the torch enum), ``cpu_offload`` (bool or
     ``CPUOffload``; needs CUDA), ``mixed_precision`` (a torch FSDP ``MixedPrecision``; its ``param_dtype`` sets
-    ``precision``), ``backward_prefetch`` (FSDP2 always prefetches; ignored with a warning), ``sync_module_states``
-    (accepted: ``boost()`` always gives every rank rank 0's weights). ``process_group``, ``auto_wrap_policy``,
-    ``ignored_modules``, ``param_init_fn`` and ``fp8_communication`` are FSDP1 features and raise.
+    ``precision`` and its ``reduce_dtype`` the gradients' reduction dtype, fp32 unless given; ``buffer_dtype`` and
+    the other fields are FSDP1's and raise), ``backward_prefetch`` (FSDP2 always prefetches; ignored with a warning), ``sync_module_states``
+    (accepted: ``boost()`` always gives every rank rank 0's weights), ``auto_wrap_policy`` (a ``ModuleWrapPolicy``
+    or a ``transformer_auto_wrap_policy`` partial: its classes become ``wrap_module_names``; other policies raise).
+    ``process_group``, ``ignored_modules``, ``param_init_fn`` and ``fp8_communication`` are FSDP1 features and raise.
     """
 
     LORA = False
@@ -85,9 +90,16 @@ class TorchFSDPPlugin(DPPluginBase):
         reshard_after_forward: bool | None = None,
         wrap_module_names: tuple[str, ...] | list[str] | None = None,
     ) -> None:
+        if auto_wrap_policy is not None:
+            from_policy = _wrap_classes(auto_wrap_policy)
+            if wrap_module_names is not None and tuple(wrap_module_names) != from_policy:
+                raise ValueError(
+                    f"TorchFSDPPlugin: auto_wrap_policy wraps {list(from_policy)}, wrap_module_names="
+                    f"{list(wrap_module_names)}; give one of them"
+                )
+            wrap_module_names = from_policy
         unsupported = {
             "process_group": process_group,
-            "auto_wrap_policy": auto_wrap_policy,
             "ignored_modules": ignored_modules,
             "param_init_fn": param_init_fn,
         }
@@ -117,13 +129,27 @@ class TorchFSDPPlugin(DPPluginBase):
                 f"TorchFSDPPlugin: sharding_strategy={strategy!r} conflicts with reshard_after_forward="
                 f"{reshard_after_forward}; give one of them"
             )
+        reduce_precision = "fp32"
         if mixed_precision is not None:
-            mp_name = {
-                torch.float16: "fp16",
-                torch.bfloat16: "bf16",
-                torch.float32: "fp32",
-                None: "fp32",
-            }.get(getattr(mixed_precision, "param_dtype", None))
+            names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", None: "fp32"}
+            mp_name = names.get(getattr(mixed_precision, "param_dtype", None))
+            # reduce_dtype=None reduces in fp32 (FSDP1 took param_dtype): an explicit one is what a user asked for
+            reduce_precision = names.get(getattr(mixed_precision, "reduce_dtype", None))
+            if mp_name is None or reduce_precision is None:
+                raise ValueError(
+                    f"TorchFSDPPlugin: mixed_precision={mixed_precision!r}: param_dtype and reduce_dtype must be "
+                    "torch.float32, torch.bfloat16, torch.float16 or None"
+                )
+            if getattr(mixed_precision, "buffer_dtype", None) is not None:
+                raise ValueError(
+                    "TorchFSDPPlugin: mixed_precision.buffer_dtype is an FSDP1 option; FSDP2 keeps buffers in the "
+                    "model's dtype: leave it None and cast the buffers before boost()"
+                )
+            if getattr(mixed_precision, "keep_low_precision_grads", False):
+                raise ValueError(
+                    "TorchFSDPPlugin: mixed_precision.keep_low_precision_grads=True is not supported; gradients "
+                    "land on the fp32 sharded parameters"
+                )
             if precision is not None and precision != mp_name:
                 raise ValueError(
                     f"TorchFSDPPlugin: precision={precision!r} conflicts with mixed_precision.param_dtype "
@@ -133,6 +159,7 @@ class TorchFSDPPlugin(DPPluginBase):
         offload = bool(getattr(cpu_offload, "offload_params", cpu_offload))
         self.config = FSDPConfig(
             precision=precision or "fp32",
+            reduce_precision=reduce_precision,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=offload,
             wrap_module_names=tuple(wrap_module_names) if wrap_module_names is not None else None,
@@ -183,7 +210,9 @@ class TorchFSDPPlugin(DPPluginBase):
         kwargs = {
             "mesh": mesh,
             "reshard_after_forward": c.reshard_after_forward,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=dtype, reduce_dtype=precision_dtype(c.reduce_precision)
+            ),
             "offload_policy": CPUOffloadPolicy() if c.cpu_offload else OffloadPolicy(),
         }
         # Inner units first, then the root: each unit is one all-gather in forward and one reduce-scatter in
@@ -215,6 +244,24 @@ class TorchFSDPPlugin(DPPluginBase):
             yield
         finally:
             module.set_requires_gradient_sync(True)
+
+
+def _wrap_classes(policy: Any) -> tuple[str, ...]:
+    """The class names an FSDP1 wrap policy wraps: ``ModuleWrapPolicy(classes)`` or
+    ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)``."""
+    classes = getattr(policy, "_module_classes", None)
+    if (
+        classes is None
+        and getattr(getattr(policy, "func", None), "__name__", "") == "transformer_auto_wrap_policy"
+    ):
+        classes = policy.keywords.get("transformer_layer_cls")
+    if not classes:
+        raise ValueError(
+            f"TorchFSDPPlugin: auto_wrap_policy={policy!r} is not supported; FSDP2 shards whole submodules: pass "
+            "ModuleWrapPolicy({LayerClass}), functools.partial(transformer_auto_wrap_policy, "
+            "transformer_layer_cls={LayerClass}), or wrap_module_names=('LayerClass',)"
+        )
+    return tuple(sorted(c.__name__ for c in classes))
 
 
 def _wrap_units(model: nn.Module, class_names: tuple[str, ...] | None) -> list[nn.Module]:
