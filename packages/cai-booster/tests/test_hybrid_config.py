@@ -35,11 +35,38 @@ def test_colossal_defaults_and_keywords() -> None:
     # Colossal-AI's default mode when sequence parallelism is switched on
     cfg = HybridParallelPlugin(tp_size=1, pp_size=1, sp_size=2, enable_sequence_parallelism=True).config
     assert (cfg.sequence_parallelism_mode, cfg.sp_size) == ("all_to_all", 2)
-    assert HybridParallelPlugin(tp_size=2, pp_size=1, enable_all_optimization=True).config.fused_normalization
+    everything = HybridParallelPlugin(tp_size=2, pp_size=1, enable_all_optimization=True).config
+    assert everything.fused_normalization and everything.flash_attention
+    assert HybridParallelPlugin(tp_size=2, pp_size=1, enable_flash_attention=True).config.flash_attention
     # accepted for compatibility, with no effect (the reasons are in the table)
-    HybridParallelPlugin(
-        tp_size=2, pp_size=1, enable_flash_attention=True, dp_outside=False, overlap_p2p=False
+    HybridParallelPlugin(tp_size=2, pp_size=1, dp_outside=False, overlap_p2p=False)
+
+
+def _attention_after_boost(flash: bool) -> str:
+    import torch
+    import transformers
+
+    from cai.booster import Booster
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    plugin = HybridParallelPlugin(
+        tp_size=2, pp_size=1, precision="fp32", enable_flash_attention=flash, make_vocab_size_divisible_by=1
     )
+    boosted, *_ = Booster(plugin=plugin, device="cpu").boost(model, torch.optim.AdamW(model.parameters()))
+    ids = torch.arange(16).reshape(2, 8)
+    assert torch.isfinite(boosted(input_ids=ids, labels=ids).loss)
+    return boosted.unwrap().config._attn_implementation
+
+
+def test_enable_flash_attention_moves_eager_attention_to_sdpa() -> None:
+    from cai.mesh.testing import run_distributed
+
+    assert run_distributed(_attention_after_boost, 2, True) == ["sdpa", "sdpa"]
+    assert run_distributed(_attention_after_boost, 2, False) == ["eager", "eager"]
 
 
 def test_config_object_and_conflicting_keyword() -> None:

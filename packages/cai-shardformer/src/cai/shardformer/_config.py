@@ -33,9 +33,10 @@ class ShardConfig:
             backward ends (see [Note: gradients of parameters under sequence parallelism]), as one process would
             have it. False leaves each rank the gradient of its own tokens, for a caller that sums them itself (a
             ZeRO optimizer whose reduction group spans dp x sp, as cai's HybridParallelPlugin does).
-        enable_all_optimization: turns on the fused normalization (the only optimization built).
-        enable_flash_attention, enable_jit_fused: accepted for compatibility, no effect; attention runs through
-            the model's own attention implementation (SDPA by default in transformers).
+        enable_all_optimization: turns on the fused normalization and flash attention.
+        enable_flash_attention: a Hugging Face model on eager attention moves to torch SDPA (flash kernels where
+            they apply); one on another implementation keeps it.
+        enable_jit_fused: accepted for compatibility, no effect (there are no JIT-fused kernels).
         The remaining fields (pipeline_stage_manager, gradient_checkpoint_config, sp_axis, pg_mesh,
         inner_ring_size, moe_dp_group, ep_group, fp8_communication, extra_kwargs) are accepted; `optimize`
         rejects the ones whose feature is not built yet, naming them.

@@ -43,6 +43,10 @@ class ShardFormer:
 
             policy = ExpertParallelPolicy(get_autopolicy(model) if cfg.tensor_parallel_size > 1 else None)
         policy = get_autopolicy(model) if policy is None else policy
+        if (cfg.enable_flash_attention or cfg.enable_all_optimization) and getattr(
+            getattr(model, "config", None), "_attn_implementation", None
+        ) == "eager":
+            model.set_attn_implementation("sdpa")  # torch's SDPA: flash kernels where they apply
         if cfg.enable_sequence_parallelism:
             check_sequence_parallel(cfg, policy)
         policy.set_model(model)

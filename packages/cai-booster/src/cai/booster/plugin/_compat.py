@@ -360,6 +360,7 @@ HYBRID_ARGS = PluginArgs(
         "fp8_communication": Mapped("zero.fp8_communication"),
         # enable_all_optimization folds into this one (fused normalization is the optimization built)
         "enable_fused_normalization": Mapped("fused_normalization"),
+        "enable_flash_attention": Mapped("flash_attention"),
         "gradient_checkpoint_config": Mapped(
             ("gradient_checkpointing", "gradient_checkpointing_ratio"),
             _checkpoint_from_colossal,
@@ -375,7 +376,6 @@ HYBRID_ARGS = PluginArgs(
         "overlap_communication": True,
     },
     ignored={
-        "enable_flash_attention": "attention runs through the model's attention implementation (SDPA by default)",
         "enable_jit_fused": "there are no JIT-fused kernels; enable_fused_normalization gives cai-kernels' norms",
         "enable_sequence_overlap": "the 'ring' mode already overlaps its sends with the matmuls",
         "broadcast_buffers": _NO_DDP,
@@ -432,6 +432,7 @@ def hybrid_sp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         )
     if out.pop("enable_all_optimization", False):
         out.setdefault("enable_fused_normalization", True)
+        out.setdefault("enable_flash_attention", True)
     return out
 
 

@@ -184,6 +184,11 @@ class HybridParallelPlugin(Plugin):
         lazy = is_lazy(model)
         if not lazy:
             place_replicated(model, ctx)
+        if (
+            cfg.flash_attention
+            and getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager"
+        ):
+            model.set_attn_implementation("sdpa")  # Colossal-AI's enable_flash_attention
         model = self._shard(model)
         module: nn.Module = self._split(model) if self.pp_size > 1 else model
         if cfg.use_fp8:

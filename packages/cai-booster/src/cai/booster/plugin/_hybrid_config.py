@@ -95,6 +95,8 @@ class HybridParallelConfig:
         pipeline: schedule and stage layout (``PipelineConfig``); needs a micro-batch setting when ``pp_size > 1``.
         parallel_output: compute the causal-LM loss vocab-parallel from the hidden states (logits never gathered).
         fused_normalization: replace RMSNorm / LayerNorm by cai-kernels' fused ones.
+        flash_attention: a Hugging Face model on eager attention moves to torch SDPA (flash kernels where they
+            apply) before it is sharded; one already on another implementation keeps it.
         make_vocab_size_divisible_by: pad the vocabulary to a multiple of this times tp (None: no padding).
         custom_policy: a cai-shardformer ``Policy`` instead of the one registered for the model's class.
         gradient_checkpointing: recompute decoder blocks in backward: ``"full"`` (or True) keeps only each
@@ -129,6 +131,7 @@ class HybridParallelConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     parallel_output: bool = True
     fused_normalization: bool = False
+    flash_attention: bool = False
     make_vocab_size_divisible_by: int | None = 64
     custom_policy: Any = None
     gradient_checkpointing: bool | Literal["full", "selective"] = False
