@@ -216,9 +216,10 @@ class Tokens(Dataset):
         return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
 
 
-def resume_run(name: str) -> dict:
+def resume_run(name: str, attention_dropout: float = 0.0) -> dict:
     """6 steps straight vs 3 steps + save_state + new objects + load_state + 3 steps, with a data loader that
-    gives each data-parallel rank its own rows."""
+    gives each data-parallel rank its own rows. ``attention_dropout`` draws its masks from the tensor-parallel
+    RNG tracker, whose streams the checkpoint must keep."""
 
     def loop(booster, model, opt, sched, loader, steps: int, path: str | None) -> list[float]:
         losses = []
@@ -232,8 +233,15 @@ def resume_run(name: str) -> dict:
             )
         return losses
 
+    trackers = {}  # the tp tracker's streams as a new process starts them (the tracker lives with the tp group)
+
     def fresh():
         booster, model, opt, sched = boosted(LAYOUTS[name], scheduler=True)
+        for m in model.modules():
+            if hasattr(m, "attention_dropout"):
+                m.attention_dropout = attention_dropout
+        for key, tracker in booster.plugin.rng_states().items():
+            tracker.load_state_dict(trackers.setdefault(key, tracker.state_dict()))
         loader = booster.plugin.prepare_dataloader(Tokens(), batch_size=4, shuffle=True, seed=11)
         return booster, model, opt, sched, loader
 
@@ -247,9 +255,9 @@ def resume_run(name: str) -> dict:
     return {"straight": straight, "resumed": first + second}
 
 
-@pytest.mark.parametrize("name", HYBRID)
-def test_hybrid_save_state_resumes_exactly(name: str) -> None:
-    for r in run_distributed(resume_run, LAYOUTS[name].world, name, timeout=240):
+@pytest.mark.parametrize(("name", "dropout"), [*((h, 0.0) for h in HYBRID), ("tp2", 0.5)])
+def test_hybrid_save_state_resumes_exactly(name: str, dropout: float) -> None:
+    for r in run_distributed(resume_run, LAYOUTS[name].world, name, dropout, timeout=240):
         assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"]), rtol=0, name="resumed losses")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -91,6 +92,7 @@ def save_state(
     lr_scheduler: Any = None,
     grad_scaler: Any = None,
     dataloader: Any = None,
+    rng_states: Mapping[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     size_per_shard: float = 1024,
     use_async: bool = False,
@@ -107,6 +109,9 @@ def save_state(
         optimizer: as for ``save_optimizer`` (named through ``model``), under ``optimizer/``.
         lr_scheduler, grad_scaler: anything with a JSON-able ``state_dict()`` (tensors allowed).
         dataloader: a ``Stateful`` loader or one whose ``batch_sampler``/``sampler`` is; saved per rank.
+        rng_states: this rank's random generators beside torch's, python's and numpy's global ones (name ->
+            object with a JSON-able ``state_dict()``, tensors allowed; a tensor-parallel dropout tracker), saved per
+            rank.
         extra: JSON-able values returned by ``load_state``.
         use_async: write in the background (see ``save_model``); ``latest`` moves only after the commit.
 
@@ -137,6 +142,7 @@ def save_state(
             write_json_tensors(txn, "training_state/state", shared)
         per_rank = {
             "rng": _rng_state(),
+            "rng_states": {name: obj.state_dict() for name, obj in (rng_states or {}).items()},
             "dataloader": _stateful(dataloader, "dataloader").state_dict()
             if dataloader is not None
             else None,
@@ -178,6 +184,7 @@ def load_state(
     lr_scheduler: Any = None,
     grad_scaler: Any = None,
     dataloader: Any = None,
+    rng_states: Mapping[str, Any] | None = None,
     step: int | None = None,
     strict: bool = True,
     verify: bool = True,
@@ -187,7 +194,8 @@ def load_state(
 
     Every component is checked (keys, shapes, files) before any is changed. ``verify`` (default) checks the bytes
     read against the manifest's checksums as they are read (see ``load_model``); ``verify=False`` skips it.
-    Each rank restores its own RNG and data position (rank ``r % saved_world_size`` when the world size changed). Returns
+    Each rank restores its own RNG (and ``rng_states``, those the checkpoint has) and data position (rank
+    ``r % saved_world_size`` when the world size changed). Returns
     ``{"step": int, "extra": dict, "path": Path}``.
     """
     wait()
@@ -225,4 +233,8 @@ def load_state(
     if loader is not None:
         loader.load_state_dict(mine["dataloader"])
     _set_rng_state(mine["rng"])
+    saved_rngs = mine.get("rng_states") or {}  # absent from checkpoints written before it was saved
+    for name, obj in (rng_states or {}).items():
+        if name in saved_rngs:
+            obj.load_state_dict(saved_rngs[name])
     return {"step": shared["step"], "extra": shared["extra"], "path": root}

@@ -72,6 +72,20 @@ class RNGStatesTracker:
         self.seeds[name] = int(seed)
         self._states = {k: v for k, v in self._states.items() if k[0] != name}
 
+    def state_dict(self) -> dict:
+        """The seeds and every stream's current state (for an exact resume; see cai-ckpt's ``save_state``)."""
+        return {
+            "seeds": dict(self.seeds),
+            "states": {f"{name}@{device}": state.clone() for (name, device), state in self._states.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seeds = {k: int(v) for k, v in state["seeds"].items()}
+        self._states = {}
+        for key, value in state["states"].items():
+            name, _, device = key.rpartition("@")
+            self._states[(name, torch.device(device))] = value.to("cpu", torch.uint8)
+
     @contextlib.contextmanager
     def fork(self, name: str, device: torch.device | str = "cpu") -> Iterator[None]:
         if name not in self.seeds:

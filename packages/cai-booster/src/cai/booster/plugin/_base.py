@@ -130,6 +130,11 @@ class Plugin(ABC):
 
         return OptimizerState(optimizer.unwrap(), model.unwrap())
 
+    def rng_states(self) -> dict[str, Any]:
+        """Random generators of this rank that ``save_state`` keeps beside the global ones (name -> object with
+        ``state_dict``/``load_state_dict``)."""
+        return {}
+
     def prepare_optimizer_load(self, optimizer: OptimizerWrapper) -> None:
         """Create the optimizer's per-parameter state before a checkpoint is loaded (the loader checks keys first)."""
         from cai.booster._state import init_optimizer_state

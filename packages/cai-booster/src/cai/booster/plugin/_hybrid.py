@@ -381,6 +381,15 @@ class HybridParallelPlugin(Plugin):
         return super().enable_lora(model, pretrained_dir=pretrained_dir, lora_config=lora_config)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
+    def rng_states(self) -> dict[str, Any]:
+        if self.tp_size == 1:
+            return {}
+        from cai.shardformer import get_rng_tracker
+
+        return {
+            "tp_dropout": get_rng_tracker(self.tp_group)
+        }  # [Note: dropout RNG under tp] in cai-shardformer
+
     def model_state(self, model: ModelWrapper) -> Any:
         from cai.shardformer import tp_model_state
 
