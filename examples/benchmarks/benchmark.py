@@ -266,13 +266,15 @@ class Row:
     tflops_simple: float = 0.0
     peak_gib: float = 0.0
     step_s: float = 0.0  # median step time
+    host_s: float = 0.0  # host time to issue a step: below step_s, the host runs ahead of the device
     breakdown: dict | None = None  # --profile: ms per step by kind of work (_breakdown.py)
     top_kernels: list | None = None  # --profile: the largest kernels besides matmul and attention
     idle_gaps: list | None = None  # --profile: what the device waited for (the kernels after idle time)
 
 
-def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> float:
-    """Median seconds per step after ``warmup`` untimed steps (CUDA events on GPU)."""
+def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds per step after ``warmup`` untimed steps (CUDA events on GPU), and the host's mean seconds
+    to issue one step (on GPU: until the last step returns, before waiting for the device)."""
     for _ in range(warmup):
         step()
     times = []
@@ -281,10 +283,12 @@ def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> float:
         events = [
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)
         ]
+        t0 = time.perf_counter()
         for start, end in events:
             start.record()
             step()
             end.record()
+        host = (time.perf_counter() - t0) / steps
         torch.cuda.synchronize(device)
         times = [start.elapsed_time(end) / 1e3 for start, end in events]
     else:
@@ -292,7 +296,8 @@ def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> float:
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        host = statistics.mean(times)
+    return statistics.median(times), host
 
 
 def measure(
@@ -311,7 +316,9 @@ def measure(
     try:
         workload = build()
         row.name = workload.name
-        row.step_s = time_steps(workload.step, warmup=args.warmup, steps=args.steps, device=device)
+        row.step_s, row.host_s = time_steps(
+            workload.step, warmup=args.warmup, steps=args.steps, device=device
+        )
         if args.profile:
             from _breakdown import step_breakdown
 
@@ -355,17 +362,24 @@ def measure(
 
 
 def table(rows: list[Row], peers: list[Row]) -> str:
-    head = ["configuration", "tok/s/GPU", "MFU", "TFLOPS Megatron", "TFLOPS 2(3+c)N", "peak GiB"]
+    head = [
+        "configuration",
+        "tok/s/GPU",
+        "MFU",
+        "TFLOPS Megatron",
+        "TFLOPS 2(3+c)N",
+        "peak GiB",
+        "step / host ms",
+    ]
     head += [f"vs {p.key}" for p in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.status != "ok":
-            cells = [r.name, r.status, "", "", "", f"{r.peak_gib:.1f}" if r.peak_gib else ""] + [""] * len(
-                peers
-            )
+            cells = [r.name, r.status, "", "", "", f"{r.peak_gib:.1f}" if r.peak_gib else "", ""]
+            cells += [""] * len(peers)
         else:
             cells = [r.name, f"{r.tokens_per_s:,.0f}", f"{100 * r.mfu:.1f}%", f"{r.tflops_megatron:.1f}",
-                     f"{r.tflops_simple:.1f}", f"{r.peak_gib:.1f}"]  # fmt: skip
+                     f"{r.tflops_simple:.1f}", f"{r.peak_gib:.1f}", f"{r.step_s * 1e3:.1f} / {r.host_s * 1e3:.1f}"]  # fmt: skip
             cells += [f"{r.tokens_per_s / p.tokens_per_s:.2f}x" if p.status == "ok" else "" for p in peers]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

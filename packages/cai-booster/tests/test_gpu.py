@@ -52,11 +52,36 @@ def test_offload_frees_device_memory_and_keeps_the_gradients() -> None:
     assert kept <= ref_kept - 0.9 * moved  # and their device copies were released
 
 
+def _step_saving(model, ids):
+    """Loss, gradients and the bytes of floating-point tensors (parameters aside) autograd keeps for backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if t.is_floating_point() and storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads, sum(saved.values())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_compiled_checkpointed_blocks_keep_the_gradients_and_only_the_block_inputs(fp8: bool) -> None:
     # The checkpoint traced with the block ([Note: compiled blocks]) on Inductor's CUDA backend: the gradients of
     # the compiled uncheckpointed blocks (the same graph's arithmetic; FP8 products on FP8 tensor cores), and what
-    # forward leaves for backward no more than eager checkpointing leaves.
+    # forward leaves for backward no more than eager checkpointing leaves. The recompute is fused differently
+    # from the forward, so its roundings differ: the bound is the larger of a fixed one and what eager
+    # checkpointing (other kernels, the same products) differs by from the compiled blocks.
     from cai.booster import compile_blocks
     from cai.kernels import convert_to_fp8, fp8_tensor_cores
 
@@ -75,21 +100,15 @@ def test_compiled_checkpointed_blocks_keep_the_gradients_and_only_the_block_inpu
             activation_checkpointing(model, "full")
         if kind != "eager checkpointed":
             compile_blocks(model)
-        model(input_ids=ids, labels=ids).loss.backward()  # compiles
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        loss = model(input_ids=ids, labels=ids).loss
-        torch.cuda.synchronize()
-        kept = torch.cuda.memory_allocated() - before
-        loss.backward()
-        results[kind] = (loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}, kept)
+        _step_saving(model, ids)  # compiles
+        results[kind] = _step_saving(model, ids)
     ref_loss, ref_grads, ref_kept = results["compiled"]
     loss, grads, kept = results["compiled checkpointed"]
+    _, eager_grads, eager_kept = results["eager checkpointed"]
     assert loss == pytest.approx(ref_loss, rel=1e-3)
+    floor = 2e-2 if fp8 else 1e-2
     for name, g in grads.items():
-        rel = float((g - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-12))
-        assert rel <= (2e-2 if fp8 else 1e-2), (name, rel)  # bf16 rounding: recompute fuses differently
-    eager_kept = results["eager checkpointed"][2]
-    assert kept <= 1.05 * eager_kept + 2**20, (kept, eager_kept)
+        bound = max(floor, 1.5 * _rel(eager_grads[name], ref_grads[name]))
+        assert _rel(g, ref_grads[name]) <= bound, (name, _rel(g, ref_grads[name]), bound)
+    assert kept <= eager_kept + 2**20, (kept, eager_kept)  # each block's references to the rotary tables
     assert kept < 0.5 * ref_kept, (kept, ref_kept)

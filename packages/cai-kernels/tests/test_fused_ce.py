@@ -85,6 +85,25 @@ def test_matches_cross_entropy_float64(case, impl, device):
         assert err <= grad_tol * r.grad.abs().max().item(), f"{name}: {err}"
 
 
+def test_retained_graph_backward_again_gives_each_upstream_gradient(impl, device):
+    # The first backward scales the saved gradients in place ([Note: fused CE backward scaling]): a graph kept
+    # for more backwards gives each its own upstream gradient's result and leaves earlier results as they were.
+    g = torch.Generator().manual_seed(4)
+    h0, w0 = torch.randn(19, 16, generator=g), torch.randn(41, 16, generator=g)
+    y = torch.randint(0, 41, (19,), generator=g)
+    hd, wd = h0.double().requires_grad_(), w0.double().requires_grad_()
+    ref = torch.autograd.grad(F.cross_entropy(hd @ wd.T, y), (hd, wd))
+    h, w = h0.to(device).requires_grad_(), w0.to(device).requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, y.to(device), chunk_size=8)
+    results = []
+    for upstream in (2.0, -0.5, 1.0):
+        grad_out = torch.tensor(upstream, device=device)
+        results.append((upstream, torch.autograd.grad(loss, (h, w), grad_out, retain_graph=True)))
+    for upstream, got in results:
+        for a, r in zip(got, ref):
+            torch.testing.assert_close(a.cpu().double(), upstream * r, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("ignore_index", [7, -1], ids=["in-vocab-7", "minus-1"])
 @pytest.mark.parametrize("extra", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"}],
                          ids=["plain", "smooth-z-sum"])  # fmt: skip

@@ -186,3 +186,22 @@ def test_rope_kv_write_is_bitwise_rotary_then_kv_write_on_decode_shapes():
         paged_kv_write(k4[0].transpose(0, 1), value, caches[2], caches[3], slots)
         assert torch.equal(got, q4[0].transpose(0, 1))
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_fused_ce_backward_does_not_wait_for_the_device():
+    # [Note: fused CE backward scaling]: the upstream gradient is applied on the device, never read on the host,
+    # so the backward can be queued while the forward still runs.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = torch.randn(32000, 512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    y = torch.randint(0, 32000, (4096,), device="cuda", generator=g)
+    loss = fused_linear_cross_entropy(h, w, y) * 0.5
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ref_h, ref_w = (t.detach().float().requires_grad_() for t in (h, w))
+    (F.cross_entropy(ref_h @ ref_w.T, y) * 0.5).backward()
+    for got, ref in ((h.grad, ref_h.grad), (w.grad, ref_w.grad)):
+        assert float((got.float() - ref).norm() / ref.norm()) < 2e-2

@@ -171,23 +171,36 @@ class _FusedLinearCE(torch.autograd.Function):
         loss = loss_rows.sum() / denom
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.meta = (lead_shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.applied = None  # the upstream gradient the saved gradients are scaled by (backward)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         lead_shape, h_dtype, w_dtype, b_dtype = ctx.meta
-        # The common case is a loss that is backpropagated as is: skip the scaling pass over grad_w then.
-        unit = grad_loss.numel() == 1 and bool(grad_loss == 1)
+        # [Note: fused CE backward scaling] The gradients were formed for an upstream gradient of 1. The first
+        # backward scales them in place, on the device: testing for the common case of exactly 1 would read the
+        # value on the host and stall the queue between forward and backward. A graph kept for another backward
+        # (retain_graph) leaves what it returned before untouched and scales out of place by the ratio to the
+        # first upstream gradient, so a first upstream gradient of exactly 0 makes the later ones NaN.
+        scale = grad_loss.reshape(()).float()
+        first = ctx.applied is None
+        factor = scale if first else scale / ctx.applied
+        if first:
+            ctx.applied = scale
+
+        def scaled(g: torch.Tensor) -> torch.Tensor:
+            f = factor.to(g.dtype)
+            # in place through .data: the saved tensor's version stays, so a retained graph can unpack it again
+            return g.data.mul_(f) if first else g * f
+
         out_h = out_w = out_b = None
         if grad_h is not None:
-            out_h = (
-                (grad_h if unit else grad_h * grad_loss.to(grad_h.dtype)).reshape(*lead_shape, -1).to(h_dtype)
-            )
+            out_h = scaled(grad_h).reshape(*lead_shape, -1).to(h_dtype)
         if grad_w is not None:
-            out_w = (grad_w if unit else grad_w * grad_loss.to(grad_w.dtype)).to(w_dtype)
+            out_w = scaled(grad_w).to(w_dtype)
         if grad_b is not None:
-            out_b = (grad_b * grad_loss.float()).to(b_dtype)
+            out_b = scaled(grad_b).to(b_dtype)
         return out_h, out_w, out_b, None, None
 
 

@@ -358,7 +358,7 @@ HYBRID_ARGS = PluginArgs(
         "make_vocab_size_divisible_by": Mapped("make_vocab_size_divisible_by"),
         "use_fp8": Mapped("use_fp8"),
         "fp8_communication": Mapped("zero.fp8_communication"),
-        # enable_all_optimization folds into this one (fused normalization is the optimization built)
+        # enable_all_optimization folds into these two (fused normalization and flash attention)
         "enable_fused_normalization": Mapped("fused_normalization"),
         "enable_flash_attention": Mapped("flash_attention"),
         "gradient_checkpoint_config": Mapped(
@@ -419,7 +419,7 @@ MOE_HYBRID_ARGS = PluginArgs(
 
 def hybrid_sp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Colossal-AI's two sequence-parallel switches as the one mode cai's config holds, and
-    ``enable_all_optimization`` as the fused normalization it turns on."""
+    ``enable_all_optimization`` as the fused normalization and flash attention it turns on."""
     out = dict(kwargs)
     enable = out.pop("enable_sequence_parallelism", False)
     mode = out.get("sequence_parallelism_mode")

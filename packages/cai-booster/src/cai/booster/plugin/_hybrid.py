@@ -386,9 +386,8 @@ class HybridParallelPlugin(Plugin):
             return {}
         from cai.shardformer import get_rng_tracker
 
-        return {
-            "tp_dropout": get_rng_tracker(self.tp_group)
-        }  # [Note: dropout RNG under tp] in cai-shardformer
+        # [Note: dropout RNG under tp] in cai-shardformer
+        return {"tp_dropout": get_rng_tracker(self.tp_group)}
 
     def model_state(self, model: ModelWrapper) -> Any:
         from cai.shardformer import tp_model_state

@@ -64,9 +64,10 @@ class TorchFSDPPlugin(DPPluginBase):
     ``sharding_strategy`` (``"FULL_SHARD"``/``"SHARD_GRAD_OP"`` or the torch enum), ``cpu_offload`` (bool or
     ``CPUOffload``; needs CUDA), ``mixed_precision`` (a torch FSDP ``MixedPrecision``; its ``param_dtype`` sets
     ``precision`` and its ``reduce_dtype`` the gradients' reduction dtype, fp32 unless given; ``buffer_dtype`` and
-    the other fields are FSDP1's and raise), ``backward_prefetch`` (FSDP2 always prefetches; ignored with a warning), ``sync_module_states``
-    (accepted: ``boost()`` always gives every rank rank 0's weights), ``auto_wrap_policy`` (a ``ModuleWrapPolicy``
-    or a ``transformer_auto_wrap_policy`` partial: its classes become ``wrap_module_names``; other policies raise).
+    ``keep_low_precision_grads`` raise), ``backward_prefetch`` (FSDP2 always prefetches; ignored with a warning),
+    ``sync_module_states`` (accepted: ``boost()`` always gives every rank rank 0's weights), ``auto_wrap_policy``
+    (a ``ModuleWrapPolicy`` or a ``transformer_auto_wrap_policy`` partial: its classes become
+    ``wrap_module_names``; other policies raise).
     ``process_group``, ``ignored_modules``, ``param_init_fn`` and ``fp8_communication`` are FSDP1 features and raise.
     """
 
