@@ -1,5 +1,6 @@
 """HybridParallelPlugin against one process: each layout x {plain, gradient accumulation, clipping}, and the
-pipelined layouts with their first stage frozen, 20 AdamW steps of a tiny Llama through ``Booster``, in fp32.
+pipelined layouts with their first stage frozen, 20 AdamW steps of a tiny Llama through ``Booster``, in fp32; and
+fp16 with the first stage frozen, whose loss scaler must skip the steps the other stage skips.
 
 The test process trains the one-process reference on the whole global batch (once per model and mode, cached) and
 hands it to every rank, which compares inside the worker. Each data-parallel rank gets its own slice of the global batch, so a missing or doubled
@@ -246,3 +247,52 @@ def test_misconfiguration_fails_at_boost() -> None:
     heads, layers = (run_distributed(_misconfigured, 2, what)[0] for what in ("heads", "layers"))
     assert "num_attention_heads=3 does not divide over tensor_parallel_size=2" in heads, heads
     assert "1 layers cannot fill 2 pipeline slots" in layers, layers
+
+
+def fp16_frozen_run(pp: int) -> tuple[list[float], list[float], int, float]:
+    """fp16 with the first half of the model frozen, on one stage or two (the first then trains nothing): the
+    losses, the loss scale after each step, the steps skipped and how far the frozen embedding moved."""
+    from cai.booster import Booster
+    from cai.booster.plugin import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(
+        precision="fp16",
+        tp_size=1,
+        pp_size=pp,
+        num_microbatches=2 if pp > 1 else None,
+        initial_scale=2**22,
+        hysteresis=1,
+    )
+    booster = Booster(plugin=plugin, device="cpu")
+    model = freeze(hybrid_llama(False), "frozen")
+    frozen = model.model.embed_tokens.weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
+    model, opt, *_ = booster.boost(model, opt)
+    losses, scales = [], []
+    for _ in range(8):  # one batch again and again: the loss falls once steps apply
+        if pp > 1:
+            loss = booster.execute_pipeline(iter([batch(0)]), model, lambda o, _b: o["loss"], opt)["loss"]
+        else:
+            loss = model(**batch(0)).loss
+            booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        scales.append(opt.scaler.scale)
+    embedding = [p for n, p in model.unwrap().named_parameters() if "embed_tokens" in n]  # on the first stage
+    moved = max((float((p - frozen.to(p.dtype)).abs().max()) for p in embedding), default=0.0)
+    return losses, scales, opt.scaler.skipped_steps, moved
+
+
+def test_fp16_with_a_frozen_pipeline_stage_skips_the_steps_one_stage_skips() -> None:
+    # The frozen first stage has no gradients of its own, but its loss scaler must take part in the overflow
+    # decision of the other stage: both stages skip the same steps and lower the scale as one process does.
+    [(ref_losses, ref_scales, ref_skipped, ref_moved)] = run_distributed(fp16_frozen_run, 1, 1)
+    results = run_distributed(fp16_frozen_run, 2, 2)
+    assert 0 < ref_skipped < 8, (ref_skipped, ref_scales)  # the initial scale overflows, a lower one does not
+    assert ref_moved == 0.0
+    for losses, scales, skipped, moved in results:
+        assert (scales, skipped) == (ref_scales, ref_skipped), (scales, ref_scales)
+        assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2, name="fp16 frozen-stage loss")
+        assert moved == 0.0
+    assert ref_losses[-1] < ref_losses[0]
