@@ -140,9 +140,14 @@ def _floats_saved(model, ids) -> int:
     return sum(saved.values())
 
 
-def test_full_checkpointing_of_a_compiled_block_keeps_what_eager_checkpointing_keeps(monkeypatch) -> None:
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_full_checkpointing_of_a_compiled_block_keeps_what_eager_checkpointing_keeps(
+    monkeypatch, fp8
+) -> None:
     # AOTAutograd's partitioner decides what the block graph saves (aot_eager: the partitioner without
     # Inductor's compile time): with the checkpoint inside the graph it must recompute the block, not keep it.
+    from cai.kernels import convert_to_fp8
+
     monkeypatch.setattr(
         compile_module, "_compiled", functools.cache(lambda f: torch.compile(f, backend="aot_eager"))
     )
@@ -151,6 +156,8 @@ def test_full_checkpointing_of_a_compiled_block_keeps_what_eager_checkpointing_k
     for kind in ("eager checkpointed", "compiled", "compiled checkpointed"):
         torch._dynamo.reset()
         model = _llama()
+        if fp8:
+            convert_to_fp8(model)
         if kind != "compiled":
             activation_checkpointing(model, "full")
         if kind != "eager checkpointed":

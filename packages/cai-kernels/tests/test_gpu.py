@@ -193,7 +193,9 @@ def test_fused_ce_backward_does_not_wait_for_the_device():
     # so the backward can be queued while the forward still runs.
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    w = torch.randn(32000, 512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (
+        (0.02 * torch.randn(32000, 512, device="cuda", generator=g)).bfloat16().requires_grad_()
+    )  # logits ~ 0.5
     y = torch.randint(0, 32000, (4096,), device="cuda", generator=g)
     loss = fused_linear_cross_entropy(h, w, y) * 0.5
     torch.cuda.set_sync_debug_mode("error")
@@ -203,5 +205,5 @@ def test_fused_ce_backward_does_not_wait_for_the_device():
         torch.cuda.set_sync_debug_mode(0)
     ref_h, ref_w = (t.detach().float().requires_grad_() for t in (h, w))
     (F.cross_entropy(ref_h @ ref_w.T, y) * 0.5).backward()
-    for got, ref in ((h.grad, ref_h.grad), (w.grad, ref_w.grad)):
-        assert float((got.float() - ref).norm() / ref.norm()) < 2e-2
+    for got, ref in ((h.grad, ref_h.grad), (w.grad, ref_w.grad)):  # test_fused_ce.py's bf16 bound
+        assert float((got.float() - ref).abs().max()) <= 3e-2 * float(ref.abs().max())
