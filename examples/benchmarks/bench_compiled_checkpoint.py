@@ -9,7 +9,9 @@ Rows:
   the compiled forward again before the compiled backward runs (compiled blocks did this before they traced
   their checkpoint);
 - ``inside``: the blocks compiled under ``activation_checkpointing(model, "full")``: the checkpoint is traced with
-  the block, and its backward graph holds the recompute ([Note: compiled blocks]);
+  the block, and its backward graph holds the recompute ([Note: compiled blocks]); blocks with FP8 layers
+  (``--fp8``) keep the checkpoint around the graph there too, so with ``--fp8`` this row is ``outside`` with cai's
+  checkpoint;
 - ``compiled``: the blocks compiled, nothing recomputed (the floor; it keeps every activation).
 
 On a CPU with a tiny model the arithmetic is negligible and a step's time is the host's: what each arrangement
