@@ -25,7 +25,6 @@ ADAM = dict(lr=1e-3, eps=1e-4)  # eps: see test_hf_schedules.py in cai-pipeline
 
 def _model() -> torch.nn.Module:
     from cai.kernels import patch_hf_model
-
     from cai.kernels._hf import FusedLMHead
 
     model = patch_hf_model(
