@@ -145,7 +145,8 @@ def test_full_checkpointing_of_a_compiled_block_keeps_what_eager_checkpointing_k
     monkeypatch, fp8
 ) -> None:
     # AOTAutograd's partitioner decides what the block graph saves (aot_eager: the partitioner without
-    # Inductor's compile time): with the checkpoint inside the graph it must recompute the block, not keep it.
+    # Inductor's compile time): with the checkpoint inside the graph it must recompute the block, not keep it;
+    # FP8 blocks keep the checkpoint around the graph and must keep the same.
     from cai.kernels import convert_to_fp8
 
     monkeypatch.setattr(

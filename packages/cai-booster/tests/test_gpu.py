@@ -77,9 +77,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_compiled_checkpointed_blocks_keep_the_gradients_and_only_the_block_inputs(fp8: bool) -> None:
-    # The checkpoint traced with the block ([Note: compiled blocks]) on Inductor's CUDA backend: the gradients of
-    # the compiled uncheckpointed blocks (the same graph's arithmetic; FP8 products on FP8 tensor cores), and what
-    # forward leaves for backward no more than eager checkpointing leaves. The recompute is fused differently
+    # Compiled checkpointed blocks ([Note: compiled blocks]; bf16: the checkpoint traced with the block, FP8: the
+    # checkpoint around the graph) on Inductor's CUDA backend: the gradients of the compiled uncheckpointed blocks
+    # (the same graph's arithmetic; FP8 products on FP8 tensor cores), and what forward leaves for backward no
+    # more than eager checkpointing leaves. The recompute is fused differently
     # from the forward, so its roundings differ: the bound is the larger of a fixed one and what eager
     # checkpointing (other kernels, the same products) differs by from the compiled blocks.
     from cai.booster import compile_blocks

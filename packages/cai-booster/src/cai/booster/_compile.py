@@ -14,7 +14,7 @@ operands) while the embedding, the loss and every sharding hook stay eager:
   as one region, and AOTAutograd's partitioner puts the recompute into the block's backward graph, where it fuses
   with the backward's own kernels. With the checkpoint around the graph instead, the recompute ran the compiled
   forward a second time through checkpoint's saved-tensor hooks before the compiled backward: host work per block
-  that bounds a backward whose host is barely ahead of the GPU (the 8B FP8 step's profile). It keeps what eager
+  that bounds a backward whose host is barely ahead of the GPU. It keeps what eager
   checkpointing keeps (the block inputs; ``selective`` applies its policy to the traced ops), and the step's host
   time on a tiny 8-block Llama (``bench_compiled_checkpoint.py``, CPU) falls by a third. Under cai-gemini the
   layer hooks cannot be traced inside the checkpoint: dynamo runs that checkpoint eagerly and compiles the pieces
