@@ -183,3 +183,37 @@ def test_get_grad_norm_is_the_global_norm(plugin: str, clip: bool) -> None:
             assert r["clip"] == pytest.approx(r["want"], rel=1e-5), (rank, r)
             assert r["after"] == pytest.approx(r["ref_after"], rel=1e-5), (rank, r)
             assert r["after"] == pytest.approx([MAX_NORM] * GRAD_NORM_STEPS, rel=1e-4), (rank, r)
+
+
+def _caches(_: int) -> tuple:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.config.use_cache
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"), device="cpu")
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    train = model(input_ids=ids, labels=ids)
+    asked = model(input_ids=ids, labels=ids, use_cache=True)
+    booster.backward(train.loss, opt)
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(input_ids=ids)
+    return (
+        train.past_key_values is None,
+        asked.past_key_values is not None,
+        evaluated.past_key_values is not None,
+    )
+
+
+def test_training_forward_builds_no_kv_cache_unless_asked() -> None:
+    # Hugging Face models build a KV cache whenever config.use_cache is on, in training too (a copy of every
+    # layer's keys and values kept alive by the outputs): a boosted model's training forward turns it off, while
+    # an explicit use_cache=True and evaluation keep theirs.
+    [(none_in_training, asked, evaluated)] = run_distributed(_caches, 1, 0)
+    assert none_in_training
+    assert asked and evaluated

@@ -4,6 +4,7 @@ the Colossal-AI methods (``backward``, ``clip_grad_by_norm``, ...) and optional 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -27,8 +28,18 @@ class ModelWrapper(nn.Module):
         self.module = module
         # Stored outside _modules so that the user's module is not registered twice.
         object.__setattr__(self, "_cai_unwrapped", unwrapped if unwrapped is not None else module)
+        self._cai_no_train_cache = _takes_use_cache(self.unwrap())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # A Hugging Face model builds a KV cache whenever config.use_cache is on (the default), in training too:
+        # a copy of every layer's keys and values that nothing reads and that outputs.past_key_values keeps alive
+        # through backward. Training forwards skip it unless the caller asks for a cache.
+        if (
+            self._cai_unwrapped.training
+            and self._cai_no_train_cache
+            and not {"use_cache", "past_key_values"} & kwargs.keys()
+        ):
+            kwargs["use_cache"] = False
         return self.module(*args, **kwargs)
 
     def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
@@ -36,6 +47,16 @@ class ModelWrapper(nn.Module):
         if unwrap_peft and hasattr(module, "get_base_model") and type(module).__name__.startswith("Peft"):
             return module.get_base_model()
         return module
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    """Whether ``module`` is a model with a ``config.use_cache`` whose forward takes ``use_cache``."""
+    if getattr(getattr(module, "config", None), "use_cache", None) is None:
+        return False
+    try:
+        return "use_cache" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class OptimizerWrapper:
