@@ -212,7 +212,7 @@ def _caches(_: int) -> tuple:
 
 def test_training_forward_builds_no_kv_cache_unless_asked() -> None:
     # Hugging Face models build a KV cache whenever config.use_cache is on, in training too (a copy of every
-    # layer's keys and values, kept by the outputs): a boosted model's training forward turns it off, while
+    # layer's keys and values, held by the outputs): a boosted model's training forward turns it off, while
     # an explicit use_cache=True and evaluation keep theirs.
     [(none_in_training, asked, evaluated)] = run_distributed(_caches, 1, 0)
     assert none_in_training

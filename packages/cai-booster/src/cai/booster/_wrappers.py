@@ -32,8 +32,8 @@ class ModelWrapper(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A Hugging Face model builds a KV cache whenever config.use_cache is on (the default), in training too:
-        # a copy of every layer's keys and values that nothing reads, at the forward's memory peak and for as long
-        # as the outputs live. Training forwards skip it unless the caller asks for a cache.
+        # every layer's keys and values copied into it (two copy kernels a layer) and held for as long as the
+        # outputs live, past backward. Training forwards skip it unless the caller asks for a cache.
         if (
             self._cai_unwrapped.training
             and self._cai_no_train_cache
