@@ -123,26 +123,9 @@ def test_composes_with_activation_checkpointing(policy: str) -> None:
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the recompute reuses the graph
 
 
-def _floats_saved(model, ids) -> int:
-    """Bytes of the floating-point tensors (parameters aside) autograd keeps between forward and backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if t.is_floating_point() and storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
 def test_full_checkpointing_of_a_compiled_block_keeps_what_eager_checkpointing_keeps(
-    monkeypatch, fp8
+    monkeypatch, step_saving, fp8
 ) -> None:
     # AOTAutograd's partitioner decides what the block graph saves (aot_eager: the partitioner without
     # Inductor's compile time): with the checkpoint inside the graph it must recompute the block, not keep it;
@@ -163,8 +146,8 @@ def test_full_checkpointing_of_a_compiled_block_keeps_what_eager_checkpointing_k
             activation_checkpointing(model, "full")
         if kind != "eager checkpointed":
             compile_blocks(model)
-        _floats_saved(model, ids)  # the first call compiles
-        saved[kind] = _floats_saved(model, ids)
+        step_saving(model, ids)  # the first call compiles
+        saved[kind] = step_saving(model, ids)[1]
     assert saved["compiled"] > 4 * saved["eager checkpointed"], saved
     # the graph also holds each block's references to the shared rotary tables (1 x 32 x 16, cos and sin)
     rotary = 2 * 32 * 16 * 4

@@ -52,31 +52,14 @@ def test_offload_frees_device_memory_and_keeps_the_gradients() -> None:
     assert kept <= ref_kept - 0.9 * moved  # and their device copies were released
 
 
-def _step_saving(model, ids):
-    """Loss, gradients and the bytes of floating-point tensors (parameters aside) autograd keeps for backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if t.is_floating_point() and storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad.float() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss.item(), grads, sum(saved.values())
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_compiled_checkpointed_blocks_keep_the_gradients_and_only_the_block_inputs(fp8: bool) -> None:
+def test_compiled_checkpointed_blocks_keep_the_gradients_and_only_the_block_inputs(
+    step_saving, fp8: bool
+) -> None:
     # Compiled checkpointed blocks ([Note: compiled blocks]; bf16: the checkpoint traced with the block, FP8: the
     # checkpoint around the graph) on Inductor's CUDA backend: the gradients of the compiled uncheckpointed blocks
     # (the same graph's arithmetic; FP8 products on FP8 tensor cores), and what forward leaves for backward no
@@ -101,8 +84,10 @@ def test_compiled_checkpointed_blocks_keep_the_gradients_and_only_the_block_inpu
             activation_checkpointing(model, "full")
         if kind != "eager checkpointed":
             compile_blocks(model)
-        _step_saving(model, ids)  # compiles
-        results[kind] = _step_saving(model, ids)
+        step_saving(model, ids)  # compiles
+        model.zero_grad(set_to_none=True)
+        loss, kept = step_saving(model, ids)
+        results[kind] = (loss, {n: p.grad.float() for n, p in model.named_parameters()}, kept)
     ref_loss, ref_grads, ref_kept = results["compiled"]
     loss, grads, kept = results["compiled checkpointed"]
     _, eager_grads, eager_kept = results["eager checkpointed"]
