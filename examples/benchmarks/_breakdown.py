@@ -53,6 +53,8 @@ def step_breakdown(
     steps: int = 2,
     top: list | None = None,
     gaps: list | None = None,
+    syncs: list | None = None,
+    matmuls: list | None = None,
     trace: str | None = None,
 ) -> dict[str, float]:
     """Milliseconds per step in each of ``BUCKETS`` plus ``"idle"`` and ``"step"`` (the wall time), over ``steps``
@@ -63,7 +65,10 @@ def step_breakdown(
     autograd::engine::evaluate_function: ViewBackward0``) with their ms per step, largest first. ``gaps``, if
     given (GPU only), receives where the device waited: ``(ms per step, count, chain)`` for the operator chains
     whose kernels started after the device had been idle for more than 20 us, summed over those waits, largest
-    first. ``trace``, if given, is a path the profiled steps are written to as a Chrome trace (gzipped when it ends
+    first. ``syncs``, if given (GPU only), receives the places that made the host wait for the device during one
+    more step (``torch.cuda.set_sync_debug_mode``): ``(count, "file:line")``, most frequent first. ``matmuls``, if
+    given (GPU only), receives the matmul time by launching operator chain, ``(ms per step, chain)``, largest first. ``trace``, if
+    given, is a path the profiled steps are written to as a Chrome trace (gzipped when it ends
     in ``.gz``)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -78,6 +83,8 @@ def step_breakdown(
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     if trace:
         prof.export_chrome_trace(trace)
+    if cuda and syncs is not None:
+        syncs.extend(_host_syncs(step, device))
     per_name: dict[str, float] = {}
     callers: dict[str, dict[str, float]] = {}
     if cuda:
@@ -112,6 +119,13 @@ def step_breakdown(
             rest.append((us / 1e3 / steps, label, name, ranked))
     if top is not None:
         top.extend(sorted(rest, reverse=True)[:10])
+    if matmuls is not None:
+        by_chain: dict[str, float] = {}
+        for name, chains in callers.items():
+            if bucket(name) == "matmul":
+                for chain, ms in chains.items():
+                    by_chain[chain] = by_chain.get(chain, 0.0) + ms
+        matmuls.extend(sorted(((ms, chain) for chain, ms in by_chain.items()), reverse=True)[:12])
     busy = sum(v for k, v in out.items() if k != "communication")
     out["idle"] = max(0.0, wall_ms - busy)
     out["step"] = wall_ms
@@ -142,6 +156,25 @@ def _idle_gaps(prof, events, steps: int, min_us: float = 20.0) -> list[tuple[flo
             entry[1] += 1
         busy_until = end if busy_until is None else max(busy_until, end)
     return sorted(((ms, n, chain) for chain, (ms, n) in waits.items()), reverse=True)[:8]
+
+
+def _host_syncs(step: Callable[[], None], device: torch.device) -> list[tuple[int, str]]:
+    import warnings
+
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    places: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{w.filename}:{w.lineno}"
+            places[where] = places.get(where, 0) + 1
+    return sorted(((n, where) for where, n in places.items()), reverse=True)
 
 
 def _chain(evt, depth: int = 4) -> str:

@@ -270,6 +270,8 @@ class Row:
     breakdown: dict | None = None  # --profile: ms per step by kind of work (_breakdown.py)
     top_kernels: list | None = None  # --profile: the largest kernels besides matmul and attention
     idle_gaps: list | None = None  # --profile: what the device waited for (the kernels after idle time)
+    host_syncs: list | None = None  # --profile: where the host waited for the device during one step
+    matmul_callers: list | None = None  # --profile: matmul time by the operators that launched it
 
 
 def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> tuple[float, float]:
@@ -322,13 +324,19 @@ def measure(
         if args.profile:
             from _breakdown import step_breakdown
 
-            row.top_kernels, row.idle_gaps = [], []
+            row.top_kernels, row.idle_gaps, row.host_syncs, row.matmul_callers = [], [], [], []
             trace = None
             if args.trace:
                 slug = "".join(c if c.isalnum() else "_" for c in workload.name).strip("_")
                 trace = os.path.join(args.trace, f"trace_{slug}.json.gz")
             row.breakdown = step_breakdown(
-                workload.step, device=device, top=row.top_kernels, gaps=row.idle_gaps, trace=trace
+                workload.step,
+                device=device,
+                top=row.top_kernels,
+                gaps=row.idle_gaps,
+                syncs=row.host_syncs,
+                matmuls=row.matmul_callers,
+                trace=trace,
             )
     except torch.OutOfMemoryError:
         row.status = "OOM"
@@ -501,6 +509,14 @@ def main(args: argparse.Namespace) -> None:
                     )
                     for ms, count, chain in r.idle_gaps:
                         print(f"  {ms:7.2f} {count:5d}  {chain[:200]}")
+                if r.matmul_callers:
+                    print(f"\nmatmul time by launching operators, {r.name} (ms per step):")
+                    for ms, chain in r.matmul_callers:
+                        print(f"  {ms:7.2f}  {chain[:200]}")
+                if r.host_syncs is not None and device.type == "cuda":
+                    print(f"\nwhere the host waited for the device in one step, {r.name} (count, place):")
+                    for count, where in r.host_syncs or [(0, "nowhere")]:
+                        print(f"  {count:5d}  {where}")
         out = os.environ.get("OUT")
         if out:
             ranks = f"_w{world}" if world > 1 else ""

@@ -217,3 +217,58 @@ def test_training_forward_builds_no_kv_cache_unless_asked() -> None:
     [(none_in_training, asked, evaluated)] = run_distributed(_caches, 1, 0)
     assert none_in_training
     assert asked and evaluated
+
+
+def _packed_checks(_: int) -> dict:
+    transformers = pytest.importorskip("transformers")
+    from cai.booster import _wrappers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    reference = transformers.LlamaForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"), device="cpu")
+    model, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
+    original = _wrappers._packed_check_original
+    calls = []
+
+    def counted(position_ids):
+        calls.append(position_ids.shape)
+        return original(position_ids)
+
+    _wrappers._packed_check_original = counted
+    try:
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)  # two sequences packed in each row
+        out = {}
+        out["own positions"] = (model(input_ids=ids, labels=ids).loss.item(), len(calls))
+        out["packed positions"] = (
+            model(input_ids=ids, labels=ids, position_ids=packed).loss.item(),
+            len(calls),
+        )
+        model.eval()
+        with torch.no_grad():
+            out["evaluation"] = (model(input_ids=ids, labels=ids, use_cache=False).loss.item(), len(calls))
+        with torch.no_grad():
+            out["reference own"] = reference(input_ids=ids, labels=ids, use_cache=False).loss.item()
+            out["reference packed"] = reference(
+                input_ids=ids, labels=ids, position_ids=packed, use_cache=False
+            ).loss.item()
+    finally:
+        _wrappers._packed_check_original = original
+    return out
+
+
+def test_training_forward_skips_the_packed_sequence_check_only_for_its_own_positions() -> None:
+    # [Note: packed-sequence check] A training forward without positions, mask or cache does not run transformers'
+    # packed-sequence check (a host read of the device); positions the caller passes, and evaluation, are checked
+    # as before, and the losses are the unboosted model's (packed positions give another loss).
+    [r] = run_distributed(_packed_checks, 1, 0)
+    assert r["own positions"] == (pytest.approx(r["reference own"], rel=1e-6), 0)
+    assert r["packed positions"] == (pytest.approx(r["reference packed"], rel=1e-6), 1)
+    assert r["evaluation"] == (pytest.approx(r["reference own"], rel=1e-6), 2)
+    assert abs(r["reference packed"] - r["reference own"]) > 1e-4

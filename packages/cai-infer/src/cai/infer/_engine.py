@@ -119,7 +119,9 @@ class InferenceEngine:
         if config.use_cuda_kernel or (config.use_cuda_kernel is None and default_kernels):
             from cai.kernels import patch_hf_model
 
-            patch_hf_model(model, fused_loss=False)  # fused RMSNorm, SwiGLU and rotary; the same weights
+            patch_hf_model(
+                model, fused_loss=False, shared_qkv=False
+            )  # fused RMSNorm, SwiGLU and rotary; the same weights
             carry_residuals(model)  # residual adds inside those RMSNorms: [Note: carried residual]
             defer_rotary(model)  # rotary inside the K/V cache write: [Note: rotary in the cache write]
         if config.tp_size == 1:  # one matmul for q/k/v and one for gate/up: [Note: fused projections]

@@ -13,6 +13,7 @@ from torch import nn
 
 from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._norm import RMSNorm
+from cai.kernels._projections import share_input
 from cai.kernels._rope import apply_rotary_pos_emb
 from cai.kernels._swiglu import SwiGLUMLP
 
@@ -87,6 +88,10 @@ def _patch_mlps(model: nn.Module) -> int:
         _replace(model, name, SwiGLUMLP.from_mlp(mod))
         count += 1
     return count
+
+
+def _patch_projections(model: nn.Module) -> int:
+    return sum(share_input(mod) for mod in model.modules() if type(mod).__name__.endswith("Attention"))
 
 
 def _patch_rope(model: nn.Module) -> list[str]:
@@ -198,6 +203,7 @@ def patch_hf_model(
     swiglu: bool = True,
     rope: bool = True,
     fused_loss: bool = True,
+    shared_qkv: bool = True,
 ) -> nn.Module:
     """Use cai kernels in a Hugging Face Llama-family model (Llama, Mistral, Qwen2/3), in place.
 
@@ -217,6 +223,9 @@ def patch_hf_model(
       :func:`cai.kernels.fused_linear_cross_entropy` (labels shifted as Hugging Face does, `num_items_in_batch`
       honoured): the logits are never materialised and `outputs.logits` is None. In eval mode, or without
       labels, the forward is unchanged. With `return_dict=False` the logits slot is left as returned.
+    - `shared_qkv`: the `q_proj`, `k_proj` and `v_proj` (plain `nn.Linear`) of every `*Attention` module get a
+      `forward` instance attribute that computes the three in one autograd function, whose backward adds the
+      input gradients inside the matmuls ([Note: shared-input projections]); the modules stay `nn.Linear`.
 
     State dict keys are unchanged. Returns `model`.
 
@@ -228,7 +237,9 @@ def patch_hf_model(
     mlps = _patch_mlps(model) if swiglu else 0
     rope_modules = _patch_rope(model) if rope else []
     loss = _patch_loss(model) if fused_loss else False
+    attentions = _patch_projections(model) if shared_qkv else 0
     logger.info(
-        "cai kernels: %d RMSNorm, %d MLP, rotary in %s, fused loss %s", norms, mlps, rope_modules, loss
-    )
+        "cai kernels: %d RMSNorm, %d MLP, rotary in %s, fused loss %s, %d shared q/k/v",
+        norms, mlps, rope_modules, loss, attentions,
+    )  # fmt: skip
     return model
