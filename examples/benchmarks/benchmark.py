@@ -266,7 +266,7 @@ class Row:
     tflops_simple: float = 0.0
     peak_gib: float = 0.0
     step_s: float = 0.0  # median step time
-    host_s: float = 0.0  # host time to issue a step: below step_s, the host runs ahead of the device
+    host_s: float = 0.0  # host time to issue a step, blocked launches included (see time_steps)
     breakdown: dict | None = None  # --profile: ms per step by kind of work (_breakdown.py)
     top_kernels: list | None = None  # --profile: the largest kernels besides matmul and attention
     idle_gaps: list | None = None  # --profile: what the device waited for (the kernels after idle time)
@@ -276,7 +276,10 @@ class Row:
 
 def time_steps(step, *, warmup: int, steps: int, device: torch.device) -> tuple[float, float]:
     """Median seconds per step after ``warmup`` untimed steps (CUDA events on GPU), and the host's mean seconds
-    to issue one step (on GPU: until the last step returns, before waiting for the device)."""
+    to issue one step (on GPU: until the last step returns, before waiting for the device). The host figure includes
+    the time the host is blocked on a full launch queue, so it bounds the host's own work from above: close to the
+    step time it means the host is ahead of the device by a full queue as much as that it is the bottleneck
+    (``--profile`` tells them apart: idle device time and the places where the host waited)."""
     for _ in range(warmup):
         step()
     times = []
