@@ -72,9 +72,8 @@ _ARANGE_POSITION_MODELS = frozenset(
 )  # fmt: skip
 _POSITION_INPUTS = ("attention_mask", "position_ids", "past_key_values", "cache_position")
 _GENERATED_POSITIONS = contextvars.ContextVar("cai_generated_positions", default=False)
-_packed_check_original = (
-    None  # transformers' own check, called whenever the positions are not the model's own
-)
+# transformers' own check, called whenever the positions are not the model's own
+_packed_check_original = None
 
 
 def _numbers_tokens(module: nn.Module) -> bool:
