@@ -67,8 +67,8 @@ def step_breakdown(
     whose kernels started after the device had been idle for more than 20 us, summed over those waits, largest
     first. ``syncs``, if given (GPU only), receives the places that made the host wait for the device during one
     more step (``torch.cuda.set_sync_debug_mode``): ``(count, "file:line")``, most frequent first. ``matmuls``, if
-    given (GPU only), receives the matmul time by launching operator chain, ``(ms per step, chain)``, largest first. ``trace``, if
-    given, is a path the profiled steps are written to as a Chrome trace (gzipped when it ends
+    given (GPU only), receives the matmul time by launching operator chain, ``(ms per step, chain)``, largest
+    first. ``trace``, if given, is a path the profiled steps are written to as a Chrome trace (gzipped when it ends
     in ``.gz``)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
