@@ -64,7 +64,8 @@ class _SharedInputLinear(torch.autograd.Function):
         return (dx, None, *dws, *dbs)
 
 
-def _hooked(m: nn.Module) -> bool:
+def has_hooks(m: nn.Module) -> bool:
+    """Whether a module hook, ``m``'s own or a global one, would see ``m`` called."""
     from torch.nn.modules import module as hooks
 
     return bool(
@@ -102,7 +103,7 @@ class _Group:
                 type(m) is not nn.Linear
                 or not isinstance(own, _Forward)
                 or own.group is not self
-                or _hooked(m)
+                or has_hooks(m)
             ):
                 return None
             if m.weight.dtype != x.dtype or m.weight.device != x.device:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cai.kernels._dispatch import use_triton
+from cai.kernels._projections import has_hooks
 from cai.kernels._tune import pick
 
 # (elements per program, num_warps); the first is the static choice, the rest are timed once per shape on CUDA.
@@ -135,19 +136,7 @@ def swiglu_packed(x: torch.Tensor) -> torch.Tensor:
 
 def _plain_linear(m: nn.Module) -> bool:
     """A bias-free ``nn.Linear`` that no module hook (its own or a global one) would see called."""
-    from torch.nn.modules import module as hooks
-
-    return (
-        type(m) is nn.Linear
-        and m.bias is None
-        and not (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
-        and not (
-            hooks._global_forward_pre_hooks
-            or hooks._global_forward_hooks
-            or hooks._global_backward_pre_hooks
-            or hooks._global_backward_hooks
-        )
-    )
+    return type(m) is nn.Linear and m.bias is None and not has_hooks(m)
 
 
 class SwiGLUMLP(nn.Module):
