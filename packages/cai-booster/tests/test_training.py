@@ -185,14 +185,20 @@ def test_get_grad_norm_is_the_global_norm(plugin: str, clip: bool) -> None:
             assert r["after"] == pytest.approx([MAX_NORM] * GRAD_NORM_STEPS, rel=1e-4), (rank, r)
 
 
-def _caches(_: int) -> tuple:
+def _tiny_llama_config():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=32,
     )  # fmt: skip
+
+
+def _caches(_: int) -> tuple:
+    config = _tiny_llama_config()
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
     assert model.config.use_cache
     booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"), device="cpu")
     model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
@@ -220,16 +226,14 @@ def test_training_forward_builds_no_kv_cache_unless_asked() -> None:
 
 
 def _packed_checks(_: int) -> dict:
-    transformers = pytest.importorskip("transformers")
+    config = _tiny_llama_config()
+    from transformers import LlamaForCausalLM
+
     from cai.booster import _wrappers
 
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32,
-    )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    reference = transformers.LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    reference = LlamaForCausalLM(config)
     reference.load_state_dict(model.state_dict())
     booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"), device="cpu")
     model, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
