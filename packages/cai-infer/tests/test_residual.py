@@ -8,8 +8,9 @@ import copy
 import pytest
 import torch
 
-from cai.infer._residual import _PRE_NORM_FORWARD, _CarriedLayer, carry_residuals, forward_digest
+from cai.infer._residual import _CarriedLayer, carry_residuals
 from cai.kernels import patch_hf_model
+from cai.kernels._residual import PRE_NORM_FORWARD, forward_digest
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -32,11 +33,11 @@ def test_carried_residual_gives_the_same_logits(family, dtype, make_model):
 def test_layers_of_another_form_or_with_other_norms_are_left_alone(make_model):
     gemma2 = make_model("gemma2")  # four norms a layer: another forward
     patch_hf_model(gemma2, fused_loss=False)
-    assert forward_digest(type(gemma2.get_decoder().layers[0])) != _PRE_NORM_FORWARD
+    assert forward_digest(type(gemma2.get_decoder().layers[0])) != PRE_NORM_FORWARD
     assert carry_residuals(gemma2) == 0
     gemma = make_model("gemma")  # the pre-norm forward, but (1 + weight) norms that cai-kernels leaves alone
     patch_hf_model(gemma, fused_loss=False)
-    assert forward_digest(type(gemma.get_decoder().layers[0])) == _PRE_NORM_FORWARD
+    assert forward_digest(type(gemma.get_decoder().layers[0])) == PRE_NORM_FORWARD
     assert carry_residuals(gemma) == 0
     llama = make_model("llama")  # Hugging Face's own norms: nothing to fold the add into
     assert carry_residuals(llama) == 0

@@ -99,6 +99,7 @@ def test_patched_tiny_llama_bf16_matches_unpatched(monkeypatch):
     ref_loss.backward()
     model = patch_hf_model(transformers.LlamaForCausalLM(config).cuda().to(torch.bfloat16))
     model.load_state_dict(ref.state_dict())
+    assert all("forward" in layer.__dict__ for layer in model.model.layers)  # the residual adds in the norms
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     assert out.logits is None

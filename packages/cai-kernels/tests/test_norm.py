@@ -128,6 +128,26 @@ def test_one_output_unused(used, impl, device):
         assert w.grad is None or not w.grad.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_return_input_adds_the_branch_gradient(dtype, impl, device):
+    # (y, x) back; the gradient reaching that x joins the norm's input gradient (inside the kernel on Triton)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 100, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    w = torch.randn(100, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    dy, dx_branch = (torch.randn(37, 100, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    y, same = rms_norm(x, w, return_input=True)
+    assert torch.equal(same, x) and same.requires_grad
+    ((y.float() * dy.float()).sum() + (same.float() * dx_branch.float()).sum()).backward()
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    yd, _ = reference(xd, None, wd, None, 1e-6, True)
+    ((yd * dy.double()).sum() + (xd * dx_branch.double()).sum()).backward()
+    assert_rel(y, yd, TOL[dtype], "y")
+    assert_rel(x.grad, xd.grad, TOL[dtype], "dx")
+    assert_rel(w.grad, wd.grad, 4 * TOL[dtype], "dw")
+    with pytest.raises(ValueError, match="return_input=True takes no residual"):
+        rms_norm(x, w, residual=x, return_input=True)
+
+
 def test_hf_output_dtype_with_fp32_weight(impl, device):
     # Hugging Face's LlamaRMSNorm returns promote(input, weight): bf16 input with an fp32 weight gives fp32.
     y = rms_norm(torch.randn(4, 16, device=device, dtype=torch.bfloat16), torch.ones(16, device=device))

@@ -120,7 +120,7 @@ class InferenceEngine:
             from cai.kernels import patch_hf_model
 
             patch_hf_model(
-                model, fused_loss=False, shared_qkv=False
+                model, fused_loss=False, shared_qkv=False, fused_residual=False
             )  # fused RMSNorm, SwiGLU and rotary; the same weights
             carry_residuals(model)  # residual adds inside those RMSNorms: [Note: carried residual]
             defer_rotary(model)  # rotary inside the K/V cache write: [Note: rotary in the cache write]

@@ -10,44 +10,24 @@ kernel, so each layer here returns its MLP output without adding it and leaves t
 shared by the model's layers; the next layer's input norm (or the final norm) adds it, rounded to the activation
 dtype exactly as the unfused add rounds it, so outputs are unchanged bit for bit.
 
-This rewrites a layer's forward, so it applies only where that forward is known: the layer's ``forward`` source,
-without comments and blank lines, must hash to ``_PRE_NORM_FORWARD``, the transformers 5 form shared by Llama,
-Mistral, Qwen2/3, Gemma, Olmo, Starcoder2, GLM, Helium and others:
-
-    residual = x; x = input_layernorm(x); x, _ = self_attn(hidden_states=x, <its keyword arguments>)
-    x = residual + x; residual = x; x = post_attention_layernorm(x); x = mlp(x); return residual + x
-
-and both norms of every layer and the final norm must be ``cai.kernels.RMSNorm`` (so Gemma's ``1 + weight`` norms,
-which cai-kernels leaves alone, and LayerNorm models keep their layers). Anything else keeps its own forward.
+This rewrites a layer's forward, so it applies only where that forward is known: every layer must pass
+``cai.kernels.is_pre_norm_layer`` (the transformers 5 pre-norm form shared by Llama, Mistral, Qwen2/3, Gemma, Olmo,
+Starcoder2, GLM, Helium and others, with both norms ``cai.kernels.RMSNorm``, so Gemma's ``1 + weight`` norms, which
+cai-kernels leaves alone, and LayerNorm models keep their layers), and the final norm must be
+``cai.kernels.RMSNorm``. Anything else keeps its own forward. Training has its own, per-layer form of this fold:
+cai-kernels' [Note: residual adds in the norms].
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
-import textwrap
 
 import torch
 from torch import nn
 
-from cai.kernels import RMSNorm
+from cai.kernels import RMSNorm, is_pre_norm_layer
 
 __all__ = ["carry_residuals"]
-
-# sha256 of the pre-norm layer forward above as transformers 5.x writes it (see forward_digest)
-_PRE_NORM_FORWARD = "93c89966bc06085a"
-
-
-def forward_digest(cls: type) -> str | None:
-    """The first 16 hex digits of sha256 over ``cls.forward``'s source without comments and blank lines, or None
-    where the source cannot be read."""
-    try:
-        src = textwrap.dedent(inspect.getsource(cls.forward))
-    except (OSError, TypeError):
-        return None
-    lines = (line.split("#")[0].rstrip() for line in src.splitlines())
-    return hashlib.sha256("\n".join(line for line in lines if line.strip()).encode()).hexdigest()[:16]
 
 
 class _Carry:
@@ -99,10 +79,8 @@ def carry_residuals(model: nn.Module) -> int:
     final = getattr(decoder, "norm", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0 or type(final) is not RMSNorm:
         return 0
-    for layer in layers:
-        norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-        if any(type(n) is not RMSNorm for n in norms) or forward_digest(type(layer)) != _PRE_NORM_FORWARD:
-            return 0
+    if not all(is_pre_norm_layer(layer) for layer in layers):
+        return 0
     carry = _Carry()
     for i, layer in enumerate(layers):
         layer.__class__ = _carried_class(type(layer))

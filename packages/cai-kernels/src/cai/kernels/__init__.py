@@ -24,6 +24,7 @@ from cai.kernels._hf import FusedLMHead, defer_lm_head_loss, is_swiglu_mlp, patc
 from cai.kernels._moe import grouped_linear, permute_tokens, unpermute_tokens
 from cai.kernels._norm import LayerNorm, RMSNorm, layer_norm, rms_norm
 from cai.kernels._paged_attention import paged_attention, paged_kv_write, paged_rope_kv_write
+from cai.kernels._residual import is_pre_norm_layer
 from cai.kernels._rope import apply_rotary_pos_emb
 from cai.kernels._swiglu import SwiGLUMLP, swiglu, swiglu_packed
 
@@ -45,6 +46,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "gemv",
     "grouped_linear",
+    "is_pre_norm_layer",
     "is_swiglu_mlp",
     "kernel_report",
     "layer_norm",

@@ -14,6 +14,7 @@ from torch import nn
 from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._norm import RMSNorm
 from cai.kernels._projections import share_input
+from cai.kernels._residual import fuse_residuals
 from cai.kernels._rope import apply_rotary_pos_emb
 from cai.kernels._swiglu import SwiGLUMLP
 
@@ -204,6 +205,7 @@ def patch_hf_model(
     rope: bool = True,
     fused_loss: bool = True,
     shared_qkv: bool = True,
+    fused_residual: bool = True,
 ) -> nn.Module:
     """Use cai kernels in a Hugging Face Llama-family model (Llama, Mistral, Qwen2/3), in place.
 
@@ -226,6 +228,9 @@ def patch_hf_model(
     - `shared_qkv`: the `q_proj`, `k_proj` and `v_proj` (plain `nn.Linear`) of every `*Attention` module get a
       `forward` instance attribute that computes the three in one autograd function, whose backward adds the
       input gradients inside the matmuls ([Note: shared-input projections]); the modules stay `nn.Linear`.
+    - `fused_residual`: every decoder layer of the pre-norm form (Llama, Mistral, Qwen2/3 and the like) whose two
+      norms are now cai's gets a `forward` instance attribute that does its first residual add, and the gradient
+      adds of both, inside the norm kernels ([Note: residual adds in the norms]); the layer keeps its class.
 
     State dict keys are unchanged. Returns `model`.
 
@@ -238,8 +243,10 @@ def patch_hf_model(
     rope_modules = _patch_rope(model) if rope else []
     loss = _patch_loss(model) if fused_loss else False
     attentions = _patch_projections(model) if shared_qkv else 0
+    layers = fuse_residuals(model) if fused_residual else 0
     logger.info(
-        "cai kernels: %d RMSNorm, %d MLP, rotary in %s, fused loss %s, %d shared q/k/v",
-        norms, mlps, rope_modules, loss, attentions,
+        "cai kernels: %d RMSNorm, %d MLP, rotary in %s, fused loss %s, %d shared q/k/v, %d layers with fused "
+        "residual adds",
+        norms, mlps, rope_modules, loss, attentions, layers,
     )  # fmt: skip
     return model

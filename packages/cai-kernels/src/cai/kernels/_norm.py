@@ -12,7 +12,7 @@ MAX_N = 65536  # widest row the kernels keep in registers; wider rows take the t
 
 class _NormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, is_rms):
+    def forward(ctx, x, residual, weight, bias, eps, is_rms, return_input):
         from cai.kernels import _norm_triton as kt
 
         shape = x.shape
@@ -34,6 +34,8 @@ class _NormFunction(torch.autograd.Function):
         ctx.shape = shape
         ctx.x_dtype = x.dtype
         ctx.set_materialize_grads(False)  # an unused residual output then costs no zero-filled gradient
+        if return_input:  # x itself; its gradient arrives as dres and is added inside the backward kernel
+            return y.view(shape), x
         if residual is None:
             return y.view(shape)
         return y.view(shape), res_out.view(shape)
@@ -60,11 +62,12 @@ class _NormFunction(torch.autograd.Function):
         dx = dx.view(ctx.shape)
         dw = dw.to(weight.dtype)
         db = db.to(bias.dtype) if db is not None else None
-        return dx, (dx if ctx.has_res else None), dw, db, None, None
+        return dx, (dx if ctx.has_res else None), dw, db, None, None, None
 
 
-def _torch_norm(x, residual, weight, bias, eps, is_rms):
+def _torch_norm(x, residual, weight, bias, eps, is_rms, return_input=False):
     # Same numerics as the kernel: the residual sum is rounded to the input dtype, statistics in fp32.
+    x_in = x
     if residual is not None:
         x = x + residual
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -76,11 +79,15 @@ def _torch_norm(x, residual, weight, bias, eps, is_rms):
     if bias is not None:
         y = y + bias.to(xf.dtype)
     y = y.to(torch.promote_types(x.dtype, weight.dtype))
+    if return_input:
+        return y, x_in
     return y if residual is None else (y, x)
 
 
-def _check(x, weight, residual, bias):
+def _check(x, weight, residual, bias, return_input):
     n = x.shape[-1]
+    if return_input and residual is not None:
+        raise ValueError("return_input=True takes no residual (the input is then the residual stream itself)")
     if weight.shape != (n,):
         raise ValueError(
             f"weight has shape {tuple(weight.shape)}; expected ({n},) for input {tuple(x.shape)}"
@@ -91,14 +98,21 @@ def _check(x, weight, residual, bias):
         raise ValueError(f"residual has shape {tuple(residual.shape)}; it must equal x's {tuple(x.shape)}")
 
 
-def _norm(x, residual, weight, bias, eps, is_rms):
-    _check(x, weight, residual, bias)
+def _norm(x, residual, weight, bias, eps, is_rms, return_input=False):
+    _check(x, weight, residual, bias, return_input)
     if x.numel() > 0 and x.shape[-1] <= MAX_N and use_triton(x):
-        return _NormFunction.apply(x, residual, weight, bias, float(eps), is_rms)
-    return _torch_norm(x, residual, weight, bias, eps, is_rms)
+        return _NormFunction.apply(x, residual, weight, bias, float(eps), is_rms, return_input)
+    return _torch_norm(x, residual, weight, bias, eps, is_rms, return_input)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None):
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    *,
+    return_input: bool = False,
+):
     """RMSNorm over the last dim: `x * rsqrt(mean(x**2) + eps) * weight`, statistics in fp32.
 
     Args:
@@ -108,14 +122,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
         residual: optional tensor shaped like `x`; when given, the kernel computes `s = x + residual` (rounded to
             x's dtype, as an unfused add would) and returns `(rms_norm(s), s)` so that the next block's residual
             stream never takes an extra pass over memory.
+        return_input: return `(y, x)`, for a residual branch that goes on with `x`: the gradient reaching that `x`
+            is added to the norm's input gradient inside the backward kernel, where autograd would add the two in
+            a pass of its own. No residual with it.
 
     Returns:
-        `y` (dtype `promote(x.dtype, weight.dtype)`, as Hugging Face's LlamaRMSNorm), or `(y, s)` with a residual.
+        `y` (dtype `promote(x.dtype, weight.dtype)`, as Hugging Face's LlamaRMSNorm), or `(y, s)` with a residual,
+        or `(y, x)` with `return_input`.
 
     Example:
         >>> y, h = rms_norm(attn_out, ln.weight, 1e-5, residual=h)
     """
-    return _norm(x, residual, weight, None, eps, True)
+    return _norm(x, residual, weight, None, eps, True, return_input)
 
 
 def layer_norm(
@@ -133,7 +151,8 @@ class RMSNorm(nn.Module):
     """RMSNorm module; a drop-in replacement for Hugging Face's `LlamaRMSNorm` (same `weight` and
     `variance_epsilon` attributes, so state dicts load unchanged).
 
-    `forward(x)` returns `y`; `forward(x, residual)` returns `(y, x + residual)` (see :func:`rms_norm`).
+    `forward(x)` returns `y`; `forward(x, residual)` returns `(y, x + residual)`; `forward(x, return_input=True)`
+    returns `(y, x)` (see :func:`rms_norm`).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None) -> None:
@@ -141,8 +160,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.variance_epsilon, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, return_input: bool = False):
+        return rms_norm(x, self.weight, self.variance_epsilon, residual, return_input=return_input)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

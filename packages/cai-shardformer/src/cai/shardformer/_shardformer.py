@@ -60,7 +60,15 @@ class ShardFormer:
         if cfg.enable_fused_normalization or cfg.enable_all_optimization:
             from cai.kernels import patch_hf_model
 
-            patch_hf_model(model, rms_norm=True, swiglu=False, rope=False, fused_loss=False, shared_qkv=False)
+            patch_hf_model(
+                model,
+                rms_norm=True,
+                swiglu=False,
+                rope=False,
+                fused_loss=False,
+                shared_qkv=False,
+                fused_residual=False,
+            )
             fuse_layer_norms(model)
         apply_module_policy(model, policy.module_policy(), cfg)
         model = policy.postprocess()
