@@ -8,6 +8,7 @@ run that saved and kept going.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -55,17 +56,25 @@ def train_step(booster, model, opt, ids: torch.Tensor) -> float:
     return total.item() / dist.get_world_size()
 
 
-def shared_tmpdir() -> str:
-    obj = [tempfile.mkdtemp(prefix="cai-booster-ckpt-") if dist.get_rank() == 0 else None]
+@pytest.fixture(scope="module")
+def root():
+    """The directory under which the module's checkpoints go, removed after its tests."""
+    path = tempfile.mkdtemp(prefix="cai-booster-ckpt-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def shared_tmpdir(root: str) -> str:
+    obj = [tempfile.mkdtemp(dir=root) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(obj, src=0)
     return obj[0]
 
 
-def save_run(name: str) -> dict:
+def save_run(name: str, root: str) -> dict:
     booster, model, opt, _ = boosted(name)
     for step in range(3):
         train_step(booster, model, opt, batch(step))
-    path = shared_tmpdir()
+    path = shared_tmpdir(root)
     booster.save_model(model, os.path.join(path, "model"), shard=True, size_per_shard=0.01)
     booster.save_optimizer(opt, os.path.join(path, "optim"), shard=True, size_per_shard=0.01)
     losses = [train_step(booster, model, opt, batch(step)) for step in range(3, 6)]
@@ -83,9 +92,9 @@ def load_run(name: str, path: str) -> dict:
 _SAVED: dict[str, dict] = {}
 
 
-def saved(name: str) -> dict:
+def saved(name: str, root: str) -> dict:
     if name not in _SAVED:
-        _SAVED[name] = run_distributed(save_run, 2, name, timeout=180)[0]
+        _SAVED[name] = run_distributed(save_run, 2, name, root, timeout=180)[0]
     return _SAVED[name]
 
 
@@ -103,8 +112,8 @@ PAIRS = [Pair(save=s, load=lo) for s in PLUGINS for lo in PLUGINS]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.id)
-def test_save_under_one_plugin_load_under_another(pair: Pair) -> None:
-    ref = saved(pair.save)
+def test_save_under_one_plugin_load_under_another(pair: Pair, root: str) -> None:
+    ref = saved(pair.save, root)
     got = run_distributed(load_run, LOAD_WORLD[pair.load], pair.load, ref["path"], timeout=180)[0]
     assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, name="loss after load")
     assert_close(got["params"], ref["params"], rtol=1e-4, atol=1e-6, name="params after load")
@@ -118,7 +127,7 @@ class Tokens(Dataset):
         return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
 
 
-def resume_run(name: str) -> dict:
+def resume_run(name: str, root: str) -> dict:
     """8 steps straight vs 4 steps + save_state + new objects + load_state + 4 steps."""
 
     def loop(booster, model, opt, sched, loader, steps: int, path: str | None) -> list[float]:
@@ -139,7 +148,7 @@ def resume_run(name: str) -> dict:
         return booster, model, opt, sched, loader
 
     straight = loop(*fresh(), steps=8, path=None)
-    path = shared_tmpdir()
+    path = shared_tmpdir(root)
     first = loop(*fresh(), steps=4, path=path)
     booster, model, opt, sched, loader = fresh()
     info = booster.load_state(path, model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader)
@@ -150,17 +159,17 @@ def resume_run(name: str) -> dict:
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
-def test_save_state_resumes_exactly(plugin: str) -> None:
-    for r in run_distributed(resume_run, 2, plugin, timeout=180):
+def test_save_state_resumes_exactly(plugin: str, root: str) -> None:
+    for r in run_distributed(resume_run, 2, plugin, root, timeout=180):
         assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"]), rtol=0, name="resumed losses")
 
 
-def lazy_hf_run(name: str) -> dict:
+def lazy_hf_run(name: str, root: str) -> dict:
     """A Hugging Face model built lazily by from_pretrained, boosted, filled from its safetensors into the shards;
     then saved by the Booster and loaded back by transformers with identical logits."""
     from cai.booster import Booster, LazyInitContext
 
-    path = shared_tmpdir()
+    path = shared_tmpdir(root)
     if dist.get_rank() == 0:
         tiny_llama().save_pretrained(os.path.join(path, "pretrained"))
     dist.barrier()
@@ -185,5 +194,5 @@ def lazy_hf_run(name: str) -> dict:
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
-def test_lazy_from_pretrained_loads_into_shards_and_saves_hf(plugin: str) -> None:
-    assert all(r["ok"] for r in run_distributed(lazy_hf_run, 2, plugin, timeout=180))
+def test_lazy_from_pretrained_loads_into_shards_and_saves_hf(plugin: str, root: str) -> None:
+    assert all(r["ok"] for r in run_distributed(lazy_hf_run, 2, plugin, root, timeout=180))
