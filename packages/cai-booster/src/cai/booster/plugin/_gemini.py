@@ -23,6 +23,7 @@ from cai.booster.plugin._base import (
 )
 from cai.booster.plugin._compat import GEMINI_ARGS, config_from_kwargs
 from cai.booster.plugin._torch_ddp import place_replicated
+from cai.mesh import advance_step
 
 if TYPE_CHECKING:
     from cai.gemini import GeminiConfig
@@ -214,6 +215,7 @@ class GeminiOptimizerWrapper(OptimizerWrapper):
         self.go.backward(loss)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        advance_step()  # the step that collective timeouts report
         return self.go.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -26,7 +26,7 @@ from cai.booster.plugin._base import (
 )
 from cai.booster.plugin._compat import LOW_LEVEL_ZERO_ARGS, config_from_kwargs
 from cai.booster.plugin._torch_ddp import place_replicated
-from cai.mesh import LocalShard, ShardSpec
+from cai.mesh import LocalShard, ShardSpec, advance_step
 
 if TYPE_CHECKING:
     from cai.zero import LossScaleConfig, ZeroConfig
@@ -214,6 +214,7 @@ class ZeroOptimizerWrapper(OptimizerWrapper):
         self.zo.backward(loss, inputs=inputs, retain_graph=retain_graph)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        advance_step()  # the step that collective timeouts report
         self.zo.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
