@@ -78,6 +78,28 @@ def test_use_fp8_runs_the_linear_layers_in_fp8() -> None:
     run_distributed(_fp8_compare, 1)
 
 
+def _kept_fp8_compare() -> None:
+    # use_fp8 on LowLevelZero keeps each weight in FP8 between steps ([Note: fp8 kept weights]): cai-zero writes the
+    # parameters through their flat buffers and must count those writes, or every step after the first would run
+    # on the first step's FP8 weights. Layers converted before boost() keep theirs as they are (not kept here).
+    from cai.kernels import Fp8Linear, convert_to_fp8
+
+    base = _llama()
+    unkept = copy.deepcopy(base)
+    convert_to_fp8(unkept)
+    ref = _train(unkept, LowLevelZeroPlugin(stage=2, precision="fp32", use_fp8=True), steps=4)[0]
+    model = copy.deepcopy(base)
+    losses = _train(model, LowLevelZeroPlugin(stage=2, precision="fp32", use_fp8=True), steps=4)[0]
+    assert {m.keep_fp8_weight for m in model.modules() if isinstance(m, Fp8Linear)} == {True}
+    assert {m.keep_fp8_weight for m in unkept.modules() if isinstance(m, Fp8Linear)} == {False}
+    assert losses == ref
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_kept_fp8_weights_follow_the_zero_steps(world) -> None:
+    run_distributed(_kept_fp8_compare, world)
+
+
 _TP = dict(make_vocab_size_divisible_by=1)  # the vocabulary of 64 split over 2 ranks as it is
 
 

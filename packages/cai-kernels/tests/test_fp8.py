@@ -317,3 +317,76 @@ def test_inside_a_compiled_caller_the_body_joins_its_graph(monkeypatch) -> None:
     x = torch.randn(4, 8)
     out = torch.compile(lambda t: _fp8._in_graph(lambda a: a * 2 + 1, t), backend="eager", fullgraph=True)(x)
     assert torch.equal(out, x * 2 + 1)
+
+
+def _kept_pair(dtype: torch.dtype) -> tuple[Fp8Linear, Fp8Linear]:
+    """Two copies of one tensor-wise FP8 layer, the second keeping its weight in FP8."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 32).to(dtype))
+    kept = copy.deepcopy(plain)
+    convert_to_fp8(plain)
+    convert_to_fp8(kept, keep_weights=True)
+    assert kept[0].keep_fp8_weight and not plain[0].keep_fp8_weight
+    return plain[0], kept[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_kept_weight_gives_the_unkept_layers_products_and_follows_the_weight(monkeypatch, dtype) -> None:
+    # [Note: fp8 kept weights]: the kept bytes are those the forward writes and W^T is them transposed, so the
+    # products are bit for bit those of a layer that quantises its weight every pass; the weight is quantised again
+    # only after it changed (its version counter), not per forward (accumulation) or per recompute
+    from cai.kernels import _fp8
+
+    requantised = []
+    real = _fp8._requantise
+    monkeypatch.setattr(_fp8, "_requantise", lambda w, qw, sw: (requantised.append(1), real(w, qw, sw)))
+    plain, kept = _kept_pair(dtype)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, kept)]
+    for step in range(3):
+        for _ in range(2):  # two micro-batches accumulated
+            x = torch.randn(3, 5, 64, dtype=dtype)
+            outs = []
+            for m in (plain, kept):
+                xi = x.clone().requires_grad_()
+                y = m(xi)
+                (y.float().square().sum()).backward()
+                outs.append((y, xi.grad))
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        assert torch.equal(plain.weight.grad, kept.weight.grad)
+        assert torch.equal(plain.bias.grad, kept.bias.grad)
+        assert len(requantised) == step + 1
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert list(kept.state_dict()) == ["weight", "bias"]  # what is kept is no state
+
+
+def test_a_weight_written_without_torch_knowing_is_requantised_once_its_version_is_bumped() -> None:
+    plain, kept = _kept_pair(torch.float32)
+    x = torch.randn(4, 64)
+    kept(x)
+    with torch.no_grad():
+        kept.weight.data.mul_(3.0)  # through .data: torch does not count it
+        plain.weight.mul_(3.0)
+    assert not torch.equal(kept(x), plain(x))  # the kept FP8 weight is the old one
+    torch.autograd.graph.increment_version(kept.weight)  # what cai-zero and HybridAdam do after their writes
+    assert torch.equal(kept(x), plain(x))
+
+
+def test_compiled_forwards_read_a_kept_weight_only_inside_fp8_weights_ready() -> None:
+    from cai.kernels import fp8_weights_ready
+
+    plain, kept = _kept_pair(torch.float32)
+    x = torch.randn(4, 64)
+    kept(x)  # the kept weight exists
+    kept.__dict__["_cai_fp8_weight"][0].zero_()  # spoilt: a graph must not read it unless brought up to date
+    compiled = torch.compile(lambda m, t: m(t), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(kept, x), plain(x))  # traced outside the context: quantised in the graph
+    with torch.no_grad():
+        plain.weight.mul_(0.5)
+        kept.weight.mul_(0.5)
+    with fp8_weights_ready(kept):  # brings it up to date (the version changed), then the graph reads it
+        assert torch.equal(compiled(kept, x), plain(x))
+    kept.__dict__["_cai_fp8_weight"][0].zero_()
+    with fp8_weights_ready(kept):  # the version did not change: the graph reads what is kept, spoilt here
+        assert not torch.equal(compiled(kept, x), plain(x))

@@ -24,6 +24,9 @@ operands) while the embedding, the loss and every sharding hook stay eager:
   partitioner kept about four times what eager checkpointing keeps with their checkpoint inside the graph (a
   4-block Llama, h512, 4 x 512 tokens, on an H100: 100.8 MB against 25.2), which the emulation on CPU does not
   show; around the graph they keep the block inputs.
+- A block with FP8 layers runs its graph inside ``cai.kernels.fp8_weights_ready(block)``: the layers that keep
+  their weights in FP8 are brought up to date eagerly, and the graph reads those bytes instead of casting each
+  weight in every forward and recompute ([Note: fp8 kept weights] in cai-kernels).
 - Only training-mode calls take the graph; evaluation and generation (whose KV cache and one-token steps would
   recompile) run the block's own forward. A KV cache in training would recompile the graph once per block,
   so a Hugging Face model's ``config.use_cache`` is turned off (a training forward never reads it back; ``generate``
@@ -98,6 +101,11 @@ class _CompiledForward:
         # under compilation this block is being traced inside its checkpoint's graph
         if not self.training or _failed or torch.compiler.is_compiling():
             return eager(*args, **kwargs)
+        if _has_fp8(self):
+            from cai.kernels import fp8_weights_ready
+
+            with fp8_weights_ready(self):  # the graph reads the layers' kept FP8 weights, brought up to date
+                return _run_compiled(eager.__func__, self, *args, **kwargs)
         return _run_compiled(eager.__func__, self, *args, **kwargs)
 
     def _cai_run_checkpoint(self, run, fn, *args):

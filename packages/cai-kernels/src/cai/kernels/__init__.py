@@ -16,6 +16,7 @@ from cai.kernels._fp8 import (
     fp8_linear,
     fp8_matmul,
     fp8_tensor_cores,
+    fp8_weights_ready,
     quantize_rowwise,
 )
 from cai.kernels._fused_ce import fused_linear_cross_entropy
@@ -43,6 +44,7 @@ __all__ = [
     "fp8_linear",
     "fp8_matmul",
     "fp8_tensor_cores",
+    "fp8_weights_ready",
     "fused_linear_cross_entropy",
     "gemv",
     "grouped_linear",

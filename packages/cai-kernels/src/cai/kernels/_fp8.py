@@ -32,8 +32,22 @@ On the eager row-wise path, projections that read the same input (q, k and v; ga
 each, in forward and again (transposed) for their weight gradients. The last few quantisations of activations are
 kept, keyed by the storage's address, the layout, the version counter and the target dtype; an entry holds the
 storage, so no other tensor can take that address while it lives, and an in-place change bumps the version: a hit is
-the same bytes quantised the same way. Leaves are never kept: parameters (whose flat ZeRO buffers are rewritten
-without their version changing) and gradients (each read once).
+the same bytes quantised the same way. Leaves are never kept there: parameters (quantised per call, or kept
+tensor-wise below) and gradients (each read once).
+
+[Note: fp8 kept weights]
+A weight changes once an optimizer step, and a step may hold several forwards (accumulation) and, under
+checkpointing, a recompute of each: each pass would take the weight's amax and cast it again, and the backward would
+cast ``W^T`` from the bf16 weight once more. A layer with ``keep_fp8_weight`` (tensor-wise recipe) keeps its weight
+in FP8 with its scale, quantised again only when the weight changed: keyed by its storage address and version
+counter. The FP8 bytes are those the forward would write, and ``W^T`` is them transposed, so the products are the
+same. The version counter is what tells: torch's optimizers and in-place ops bump it, and cai's own writers of
+parameter memory (cai-zero's working buffers, HybridAdam's kernels) bump it by hand; a writer that bypasses both (a
+raw kernel, ``param.data.copy_``) must call ``torch.autograd.graph.increment_version`` on the parameters. It costs
+one byte a weight element; ``LowLevelZeroPlugin(use_fp8=True)`` turns it on, where the bf16 weights are whole on
+every rank anyway. A graph reads a kept weight only inside ``fp8_weights_ready(module)``, which brings the weights
+of ``module``'s layers up to date eagerly first (compiled blocks call it around each call); elsewhere a traced
+forward quantises the weight in its graph, since a graph cannot check a version counter.
 
 [Note: fp8 host time]
 An FP8 linear is six quantisations and three matmuls where the bf16 one is three matmuls. Launched one by one from
@@ -57,6 +71,7 @@ activations around them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections import OrderedDict
@@ -67,7 +82,15 @@ from torch import nn
 
 from cai.kernels._dispatch import use_triton
 
-__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear", "fp8_matmul", "fp8_tensor_cores", "quantize_rowwise"]
+__all__ = [
+    "Fp8Linear",
+    "convert_to_fp8",
+    "fp8_linear",
+    "fp8_matmul",
+    "fp8_tensor_cores",
+    "fp8_weights_ready",
+    "quantize_rowwise",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +289,96 @@ def _backward_tensorwise(
     return dx, product(qd.t().contiguous(), sd, qx.t().contiguous(), sx, weight.dtype)
 
 
+def _forward_kept(x2: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, *, product=_scaled_product):
+    """:func:`_forward_tensorwise` from the layer's kept FP8 weight ([Note: fp8 kept weights]): ``(y, qx, sx)``."""
+    qx, sx = _quantize_tensorwise_torch(x2, E4M3)
+    return product(qx, sx, qw, sw, x2.dtype), qx, sx
+
+
+def _backward_kept(
+    dy2: torch.Tensor,
+    qw: torch.Tensor,
+    qx: torch.Tensor,
+    sx: torch.Tensor,
+    sw: torch.Tensor,
+    *,
+    product=_scaled_product,
+    weight_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_backward_tensorwise` with ``W^T`` the kept FP8 weight's bytes transposed (the same values)."""
+    qd, sd = _quantize_tensorwise_torch(dy2, TENSORWISE_GRAD_DTYPE)
+    dx = product(qd, sd, qw.t().contiguous(), sw, dy2.dtype)
+    return dx, product(qd.t().contiguous(), sd, qx.t().contiguous(), sx, weight_dtype or dy2.dtype)
+
+
+def _requantise_into(weight: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> None:
+    q, scale = _quantize_tensorwise_torch(weight, E4M3)
+    qw.copy_(q)
+    sw.copy_(scale)
+
+
+@functools.cache
+def _compiled_requantise():
+    return torch.compile(_requantise_into, fullgraph=True)
+
+
+def _requantise(weight: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> None:
+    """Write ``weight`` in FP8 into ``qw`` and its scale into ``sw``, in place: one compiled graph on a GPU (two
+    kernels, where eager torch takes five passes over the weight), eager elsewhere."""
+    global _compile_failed
+    if weight.is_cuda and not _compile_failed:
+        try:
+            return _compiled_requantise()(weight, qw, sw)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            _compile_failed = True
+            logger.warning("cai-kernels FP8: compiling the weight cast failed, running it eagerly (%s)", e)
+    _requantise_into(weight, qw, sw)
+
+
+_weights_ready = False  # inside fp8_weights_ready(): traced forwards read the layers' kept FP8 weights
+
+
+def _kept_weight(linear: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's weight in FP8 and its scale, quantised again only when the weight changed ([Note: fp8 kept
+    weights]); None where the layer keeps none or a traced forward cannot trust what it kept."""
+    if not linear.keep_fp8_weight or linear.recipe != "tensorwise":
+        return None
+    if torch.compiler.is_compiling():
+        return linear.__dict__.get("_cai_fp8_weight") if _weights_ready else None
+    weight = linear.weight
+    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(weight.shape))
+    kept = linear.__dict__.get("_cai_fp8_weight")
+    if kept is not None and linear.__dict__["_cai_fp8_key"] == key:
+        return kept
+    if kept is None or kept[0].shape != weight.shape or kept[0].device != weight.device:
+        kept = (
+            torch.empty(weight.shape, dtype=E4M3, device=weight.device),
+            torch.empty((), dtype=torch.float32, device=weight.device),
+        )
+    with torch.no_grad():
+        _requantise(weight.detach(), *kept)
+    # in __dict__, not as buffers: a module's .to(dtype) would cast them, and state dicts must not hold them
+    linear.__dict__["_cai_fp8_weight"], linear.__dict__["_cai_fp8_key"] = kept, key
+    return kept
+
+
+@contextlib.contextmanager
+def fp8_weights_ready(module: nn.Module):
+    """Bring the kept FP8 weights of ``module``'s layers up to date, and let forwards traced by ``torch.compile``
+    inside this context read them ([Note: fp8 kept weights]). Compiled blocks (``cai.booster.compile_blocks``)
+    enter it around each call; a caller compiling its own model around layers that keep their weights enters it
+    around the compiled call."""
+    global _weights_ready
+    for m in module.modules():
+        if isinstance(m, Fp8Linear):
+            _kept_weight(m)
+    before, _weights_ready = _weights_ready, True
+    try:
+        yield
+    finally:
+        _weights_ready = before
+
+
 _BODIES = {
     "rowwise": (_forward_body, _backward_body),
     "tensorwise": (_forward_tensorwise, _backward_tensorwise),
@@ -341,23 +454,38 @@ def _eager_product(tensor_cores: bool):
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        recipe: str,
+        qw: torch.Tensor | None = None,
+        sw: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # qw, sw: the layer's kept FP8 weight and its scale, tensor-wise ([Note: fp8 kept weights])
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        forward_body = _BODIES[recipe][0]
         # decided once for both directions: the backward has no x2 to ask about on the tensor-wise path
         ctx.graph, ctx.tensor_cores = _whole_body(x2, weight), _scaled_mm_takes(x2, weight)
-        out = _in_graph(forward_body, x2, weight) if ctx.graph else None
-        if out is None:
-            if recipe == "rowwise":
-                out = fp8_matmul(x2, weight, out_dtype=x.dtype), x2
-            else:
-                out = forward_body(x2, weight, product=_eager_product(ctx.tensor_cores))
-        y, *saved = out
+        ctx.kept, ctx.weight_dtype = qw is not None, weight.dtype
+        product = _eager_product(ctx.tensor_cores)
+        if ctx.kept:
+            out = _in_graph(_forward_kept, x2, qw, sw) if ctx.graph else None
+            y, qx, sx = out if out is not None else _forward_kept(x2, qw, sw, product=product)
+            saved = (qw, qx, sx, sw)
+        else:
+            forward_body = _BODIES[recipe][0]
+            out = _in_graph(forward_body, x2, weight) if ctx.graph else None
+            if out is None:
+                if recipe == "rowwise":
+                    out = fp8_matmul(x2, weight, out_dtype=x.dtype), x2
+                else:
+                    out = forward_body(x2, weight, product=product)
+            y, *rest = out
+            saved = (weight, *rest)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(weight, *saved)
+        ctx.save_for_backward(*saved)
         ctx.has_bias = bias is not None
         ctx.shape = shape
         ctx.recipe = recipe
@@ -365,24 +493,32 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        weight, *saved = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        backward_body = _BODIES[ctx.recipe][1]
         graph = ctx.graph and not _compile_failed and dy2.dtype == torch.bfloat16
-        grads = _in_graph(backward_body, dy2, weight, *saved) if graph else None
-        if grads is not None:
+        product = _eager_product(ctx.tensor_cores)
+        if ctx.kept:
+            saved = ctx.saved_tensors
+            grads = _in_graph(_backward_kept, dy2, *saved) if graph else None
+            if grads is None:
+                grads = _backward_kept(dy2, *saved, product=product, weight_dtype=ctx.weight_dtype)
             dx, dw = grads
-        elif ctx.recipe == "rowwise":
-            (x2,) = saved
-            # dx = dy @ W: reduce over out_features, so W's columns are the rows to scale
-            # (transposed views: the quantiser reads them in place and writes row-major FP8)
-            dx = fp8_matmul(dy2, weight.t(), out_dtype=x2.dtype, a_dtype=GRAD_DTYPE)
-            # dW = dy^T @ x: reduce over tokens
-            dw = fp8_matmul(dy2.t(), x2.t(), out_dtype=weight.dtype, a_dtype=GRAD_DTYPE)
         else:
-            dx, dw = backward_body(dy2, weight, *saved, product=_eager_product(ctx.tensor_cores))
-        db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return dx.reshape(ctx.shape), dw, db, None
+            weight, *saved = ctx.saved_tensors
+            backward_body = _BODIES[ctx.recipe][1]
+            grads = _in_graph(backward_body, dy2, weight, *saved) if graph else None
+            if grads is not None:
+                dx, dw = grads
+            elif ctx.recipe == "rowwise":
+                (x2,) = saved
+                # dx = dy @ W: reduce over out_features, so W's columns are the rows to scale
+                # (transposed views: the quantiser reads them in place and writes row-major FP8)
+                dx = fp8_matmul(dy2, weight.t(), out_dtype=x2.dtype, a_dtype=GRAD_DTYPE)
+                # dW = dy^T @ x: reduce over tokens
+                dw = fp8_matmul(dy2.t(), x2.t(), out_dtype=weight.dtype, a_dtype=GRAD_DTYPE)
+            else:
+                dx, dw = backward_body(dy2, weight, *saved, product=product)
+        db = dy2.sum(0).to(ctx.weight_dtype) if ctx.has_bias else None
+        return dx.reshape(ctx.shape), dw, db, None, None, None
 
 
 def fp8_linear(
@@ -401,15 +537,23 @@ class Fp8Linear(nn.Linear):
     says how the operands are scaled ([Note: fp8 recipes])."""
 
     recipe: str = "tensorwise"
+    keep_fp8_weight: bool = False  # keep the weight in FP8 between its changes ([Note: fp8 kept weights])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return F.linear(x, self.weight, self.bias)  # evaluation runs in the parameters' precision
-        return fp8_linear(x, self.weight, self.bias, self.recipe)
+        kept = _kept_weight(self)
+        if kept is None:
+            return fp8_linear(x, self.weight, self.bias, self.recipe)
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self.recipe, *kept)
 
 
 def convert_to_fp8(
-    model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",), recipe: str = "tensorwise"
+    model: nn.Module,
+    *,
+    skip: tuple[str, ...] = ("lm_head",),
+    recipe: str = "tensorwise",
+    keep_weights: bool = False,
 ) -> int:
     """Turn ``model``'s ``nn.Linear`` layers into :class:`Fp8Linear`, in place; returns how many.
 
@@ -417,7 +561,8 @@ def convert_to_fp8(
     FP8 there costs accuracy for little time), and layers whose features are not multiples of 16 (what the FP8
     tensor cores take). ``recipe``: ``"tensorwise"`` or ``"rowwise"`` scales ([Note: fp8 recipes]). Layers that
     are FP8 already keep theirs: ``convert_to_fp8(model, recipe="rowwise")`` before ``boost()`` keeps row-wise
-    scales under a plugin's ``use_fp8=True``.
+    scales under a plugin's ``use_fp8=True``. ``keep_weights``: the converted layers keep their weights in FP8
+    between changes, one byte a weight element, tensor-wise only ([Note: fp8 kept weights]).
     """
     if recipe not in _BODIES:
         raise ValueError(f"convert_to_fp8: recipe {recipe!r} is not one of {RECIPES}")
@@ -429,5 +574,6 @@ def convert_to_fp8(
             continue
         module.__class__ = Fp8Linear  # same Parameters, hooks and name; only forward changes
         module.recipe = recipe
+        module.keep_fp8_weight = keep_weights and recipe == "tensorwise"
         count += 1
     return count

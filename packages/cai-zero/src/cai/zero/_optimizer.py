@@ -495,6 +495,9 @@ class ZeroOptimizer:
     def _gather(self, b: Bucket, *, async_op: bool, shard: torch.Tensor | None = None) -> None:
         """All-gather the updated master shard into the bucket's working buffer (the parameters' storage).
         ``shard``: the update already wrote it in the working dtype (into the working buffer itself at one rank)."""
+        # the parameters are views set through .data, whose writes torch does not count: count them, so that
+        # what is keyed on a parameter's version (cai-kernels' kept FP8 weights) sees the new values
+        torch.autograd.graph.increment_version([s.param for s in b.slots])
         if b.world_size == 1 and self._host is None:  # one rank, or stage 0: the master is the whole bucket
             if shard is None:
                 b.working.copy_(b.master)

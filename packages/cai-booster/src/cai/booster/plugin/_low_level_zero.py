@@ -61,8 +61,10 @@ class LowLevelZeroConfig:
         cast_inputs: cast floating-point forward inputs to the working precision.
         use_fp8: run the model's linear layers (not the output head) in FP8 with dynamic scales
             (``cai.kernels.convert_to_fp8``, at ``boost()``; tensor-wise, or what an earlier
-            ``convert_to_fp8(model, recipe=...)`` chose); the fp32 masters are unchanged. On GPUs with FP8
-            tensor cores the decoder blocks are compiled too (``cai.booster.compile_blocks``).
+            ``convert_to_fp8(model, recipe=...)`` chose); the fp32 masters are unchanged. The converted layers
+            keep their weights in FP8 between optimizer steps (one byte a weight element; ``keep_weights`` in
+            ``convert_to_fp8``). On GPUs with FP8 tensor cores the decoder blocks are compiled too
+            (``cai.booster.compile_blocks``).
 
     Example::
 
@@ -150,7 +152,8 @@ class LowLevelZeroPlugin(DPPluginBase):
         if self.config.use_fp8:
             from cai.kernels import convert_to_fp8
 
-            convert_to_fp8(model)
+            # the bf16 weights are whole on every rank: one more byte an element keeps them in FP8 between steps
+            convert_to_fp8(model, keep_weights=True)
             compile_fp8_blocks(model, ctx.device)
         names = param_names(model)
         place_replicated(model, ctx)

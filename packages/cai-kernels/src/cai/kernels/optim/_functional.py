@@ -147,6 +147,13 @@ def _triton_update(param, grad, exp_avg, exp_avg_sq, out, step, lr, beta1, beta2
         ADAMW=adamw_mode, BIAS_CORRECTION=bias_correction, STEP_ON_DEVICE=on_device, HAS_OUT=out is not None,
         BLOCK=block, num_warps=8,
     )  # fmt: skip
+    _count_writes(param, out)
+
+
+def _count_writes(param: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Bump the version counters of what a kernel wrote through raw pointers, as torch's in-place ops do (what is
+    keyed on a version, such as cai-kernels' kept FP8 weights, must see the new values)."""
+    torch.autograd.graph.increment_version([param] if out is None else [param, out])
 
 
 def _log(beta: float) -> float:
@@ -169,6 +176,7 @@ def _native_update(native, param, grad, exp_avg, exp_avg_sq, out, step, lr, beta
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native cpu_adam_step returned {rc} (grad {grad.dtype}, out {out and out.dtype})")
+    _count_writes(param, out)
 
 
 def torch_adam_update(
