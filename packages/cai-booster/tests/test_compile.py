@@ -233,6 +233,40 @@ def test_fp8_layers_compile_to_the_eager_emulation(recipe: str) -> None:
     assert counters["frames"]["ok"] >= 1
 
 
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["checkpointed", "uncheckpointed"])
+def test_checkpointed_fp8_blocks_read_their_kept_weights(monkeypatch, checkpointed: bool) -> None:
+    # a checkpointed block's graph reads the kept FP8 weights ([Note: fp8 kept weights]), brought up to date after
+    # each optimizer step: the same steps as layers that cast their weights in the graph; an uncheckpointed block
+    # keeps none (module note)
+    from cai.kernels import Fp8Linear, convert_to_fp8
+
+    monkeypatch.setattr(
+        compile_module, "_compiled", functools.cache(lambda f: torch.compile(f, backend="aot_eager"))
+    )
+    torch._dynamo.reset()
+    runs = []
+    for keep in (False, True):
+        model = _llama(layers=2)
+        convert_to_fp8(model, keep_weights=keep)
+        if checkpointed:
+            activation_checkpointing(model, "full")
+        compile_blocks(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = []
+        for seed in range(3):
+            steps.append(_step(model, _ids(seed=seed)))
+            opt.step()
+            opt.zero_grad()
+        fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        runs.append((steps, fp8))
+    (want, _), (got, layers) = runs
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, want, strict=True):
+        assert loss == ref_loss
+        assert all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+    kept = [m for m in layers if "_cai_fp8_weight" in m.__dict__]
+    assert len(kept) == (len(layers) if checkpointed else 0)
+
+
 # ---- fallback and the cases that compile nothing -----------------------------------------------------------
 def test_a_failing_backend_falls_back_to_eager_once(monkeypatch, caplog) -> None:
     calls: list[object] = []
