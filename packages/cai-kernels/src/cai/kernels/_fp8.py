@@ -46,8 +46,10 @@ parameter memory (cai-zero's working buffers, HybridAdam's kernels) bump it by h
 raw kernel, ``param.data.copy_``) must call ``torch.autograd.graph.increment_version`` on the parameters. It costs
 one byte a weight element; ``LowLevelZeroPlugin(use_fp8=True)`` turns it on, where the bf16 weights are whole on
 every rank anyway. A graph reads a kept weight only inside ``fp8_weights_ready(module)``, which brings the weights
-of ``module``'s layers up to date eagerly first (compiled blocks call it around each call); elsewhere a traced
-forward quantises the weight in its graph, since a graph cannot check a version counter.
+of ``module``'s layers up to date eagerly first (``cai.booster.compile_blocks`` enters it around each call of a
+checkpointed block); elsewhere a traced forward quantises the weight in its graph, since a graph cannot check a
+version counter. Uncheckpointed compiled blocks do not enter it: with one forward a step their in-graph cast is
+fused and was faster than keeping (examples/benchmarks/RESULTS.md).
 
 [Note: fp8 host time]
 An FP8 linear is six quantisations and three matmuls where the bf16 one is three matmuls. Launched one by one from
@@ -365,8 +367,8 @@ def _kept_weight(linear: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
 @contextlib.contextmanager
 def fp8_weights_ready(module: nn.Module):
     """Bring the kept FP8 weights of ``module``'s layers up to date, and let forwards traced by ``torch.compile``
-    inside this context read them ([Note: fp8 kept weights]). Compiled blocks (``cai.booster.compile_blocks``)
-    enter it around each call; a caller compiling its own model around layers that keep their weights enters it
+    inside this context read them ([Note: fp8 kept weights]). Checkpointed compiled blocks
+    (``cai.booster.compile_blocks``) enter it around each call; a caller compiling its own model around layers that keep their weights enters it
     around the compiled call."""
     global _weights_ready
     for m in module.modules():

@@ -62,7 +62,8 @@ class LowLevelZeroConfig:
         use_fp8: run the model's linear layers (not the output head) in FP8 with dynamic scales
             (``cai.kernels.convert_to_fp8``, at ``boost()``; tensor-wise, or what an earlier
             ``convert_to_fp8(model, recipe=...)`` chose); the fp32 masters are unchanged. The converted layers
-            keep their weights in FP8 between optimizer steps (one byte a weight element; ``keep_weights`` in
+            keep their weights in FP8 between optimizer steps where a weight is read more than once a step
+            (checkpointed compiled blocks, eager layers; one byte a weight element; ``keep_weights`` in
             ``convert_to_fp8``). On GPUs with FP8 tensor cores the decoder blocks are compiled too
             (``cai.booster.compile_blocks``).
 
