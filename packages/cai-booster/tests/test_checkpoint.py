@@ -211,3 +211,27 @@ def test_gemini_fp16_save_state_resumes_the_loss_scale(tmp_path) -> None:
     other_booster.load_state(tmp_path / "ckpt", model=other, optimizer=other_opt)
     assert other_opt.scaler.state_dict() == opt.scaler.state_dict()
     assert other_opt.scaler.skipped_steps == 1
+
+
+def test_save_model_in_a_dtype_loads_back_through_from_pretrained(tmp_path) -> None:
+    # the floating tensors are stored in the asked dtype and config.json names it, so from_pretrained's
+    # default dtype ("auto") builds the model in it
+    import json
+
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64
+    )
+    torch.manual_seed(0)
+    booster = Booster(device="cpu")
+    model, *_ = booster.boost(transformers.LlamaForCausalLM(config))
+    booster.save_model(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16/config.json").read_text())["dtype"] == "bfloat16"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    want = model.unwrap().state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, want[name].to(torch.bfloat16)), name
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        booster.save_model(model, tmp_path / "int", dtype=torch.int8)

@@ -231,11 +231,15 @@ class Booster:
         size_per_shard: int = 1024,
         use_safetensors: bool = False,
         use_async: bool = False,
+        *,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """Save the model as a Hugging Face safetensors directory (``from_pretrained`` loads it) from any plugin.
 
         Always safetensors, always a directory with an index; ``shard=False`` writes one file when the model fits
-        in ``size_per_shard`` MB. ``gather_dtensor``, ``prefix`` and ``use_safetensors`` are accepted for
+        in ``size_per_shard`` MB. ``dtype`` (e.g. ``torch.bfloat16``) stores the floating tensors in that dtype
+        and says so in ``config.json``; default: as the plugin holds them (fp32 masters where it keeps them).
+        ``gather_dtensor``, ``prefix`` and ``use_safetensors`` are accepted for
         Colossal-AI compatibility: no rank gathers the model and pickle is never written. ``checkpoint`` may be
         new, empty, or an earlier cai checkpoint (replaced atomically); a file or a directory holding other files
         raises ``FileExistsError`` on every rank before anything is written.
@@ -250,6 +254,7 @@ class Booster:
             size_per_shard=size_per_shard if shard else float("inf"),
             use_async=use_async,
             config=getattr(model.unwrap(), "config", None),
+            dtype=dtype,
         )
 
     def load_model(

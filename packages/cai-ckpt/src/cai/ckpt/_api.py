@@ -117,6 +117,11 @@ def write_model(
     config: Any,
     use_async: bool,
 ) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(
+            f"save_model: dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}"
+        )
+
     def out_dtype(name: str, d: torch.dtype) -> torch.dtype:
         return dtype if dtype is not None and d.is_floating_point else d
 
@@ -132,6 +137,10 @@ def write_model(
         use_async=use_async,
     )
     cfg = _config_json(source, config)
+    if cfg is not None and dtype is not None:  # from_pretrained's dtype="auto" reads it back
+        for key in ("dtype", "torch_dtype"):  # transformers 5's name, and the older one where a config has it
+            if key == "dtype" or key in cfg:
+                cfg[key] = str(dtype).removeprefix("torch.")
     if cfg is not None and txn.rank == 0:
         txn.record(join(subdir, CONFIG_NAME), write_json(txn.path(join(subdir, CONFIG_NAME)), cfg))
 
@@ -194,7 +203,8 @@ def save_model(
         use_async: copy to host buffers, then write in a background thread; ``wait()`` (or the next save, or
             exit) blocks until it is committed.
         config: written as ``config.json``: a dict or an object with ``to_dict()`` (default: ``source.config``).
-        dtype: store floating tensors in this dtype (e.g. ``torch.bfloat16``); default: as they are.
+        dtype: store floating tensors in this dtype (e.g. ``torch.bfloat16``), and name it as the config's
+            ``dtype``; default: as they are.
         group: the process group whose ranks share the work (default: the world; no group is fine).
 
     Every rank of ``group`` must call it. Files are ``model-0000i-of-0000N.safetensors`` with
