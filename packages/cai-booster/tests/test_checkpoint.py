@@ -233,5 +233,5 @@ def test_save_model_in_a_dtype_loads_back_through_from_pretrained(tmp_path) -> N
     for name, tensor in loaded.state_dict().items():
         assert tensor.dtype == torch.bfloat16, name
         assert torch.equal(tensor, want[name].to(torch.bfloat16)), name
-    with pytest.raises(ValueError, match="floating torch.dtype"):
+    with pytest.raises(ValueError, match=r"floating torch\.dtype"):
         booster.save_model(model, tmp_path / "int", dtype=torch.int8)
