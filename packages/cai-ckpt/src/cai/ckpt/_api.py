@@ -138,9 +138,10 @@ def write_model(
     )
     cfg = _config_json(source, config)
     if cfg is not None and dtype is not None:  # from_pretrained's dtype="auto" reads it back
-        for key in ("dtype", "torch_dtype"):  # transformers 5's name, and the older one where a config has it
-            if key == "dtype" or key in cfg:
-                cfg[key] = str(dtype).removeprefix("torch.")
+        name = str(dtype).removeprefix("torch.")
+        cfg["dtype"] = name  # transformers 5's key
+        if "torch_dtype" in cfg:  # the older key, where a config still has it
+            cfg["torch_dtype"] = name
     if cfg is not None and txn.rank == 0:
         txn.record(join(subdir, CONFIG_NAME), write_json(txn.path(join(subdir, CONFIG_NAME)), cfg))
 
