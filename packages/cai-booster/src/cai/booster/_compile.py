@@ -24,15 +24,14 @@ operands) while the embedding, the loss and every sharding hook stay eager:
   partitioner kept about four times what eager checkpointing keeps with their checkpoint inside the graph (a
   4-block Llama, h512, 4 x 512 tokens, on an H100: 100.8 MB against 25.2), which the emulation on CPU does not
   show; around the graph they keep the block inputs.
-- A block with FP8 layers that read each weight more than once between its changes runs its graph inside
-  ``cai.kernels.fp8_weights_ready(block)``: the layers that keep their weights in FP8 are brought up to date
-  eagerly, and the graph reads those bytes instead of casting each weight again ([Note: fp8 kept weights] in
-  cai-kernels). A checkpointed block always does (its recompute reads the weights again); an uncheckpointed one
-  from its first forward that finds its weights unchanged since its last (accumulation: the second micro-batch of
-  a step), and from then on. Until then it casts its weights in its graph, fused there: with one forward a step,
-  keeping them measured 1% slower (1B b8 s2048 on one H100, 105.4k against 106.7k tokens/s) for 0.8 GiB more,
-  where checkpointed with 4 micro-batches accumulated it measured 1.6% faster (86.2k against 84.8k). The switch
-  is one recompile of the shared graph (dynamo guards on the context).
+- A checkpointed block with FP8 layers runs its graph inside ``cai.kernels.fp8_weights_ready(block)``: the
+  layers that keep their weights in FP8 are brought up to date eagerly, and the graph reads those bytes instead
+  of casting each weight again in the recompute ([Note: fp8 kept weights] in cai-kernels). An uncheckpointed
+  block casts its weights in its graph, fused there: with one forward a step, keeping them measured 1% slower
+  (1B b8 s2048 on one H100, 105.4k against 106.7k tokens/s) for 0.8 GiB more, where checkpointed with 4 micro-
+  batches accumulated it measured 1.6% faster (86.2k against 84.8k). Uncheckpointed blocks reading kept weights
+  from their second accumulated micro-batch on was built and measured slower (1B b8 s2048 x 4 accumulated, one
+  H100: 107.2k and 89.5k against 110.2k tokens/s, 2.6 GiB more), so it is not done.
 - Only training-mode calls take the graph; evaluation and generation (whose KV cache and one-token steps would
   recompile) run the block's own forward. A KV cache in training would recompile the graph once per block,
   so a Hugging Face model's ``config.use_cache`` is turned off (a training forward never reads it back; ``generate``
@@ -107,7 +106,7 @@ class _CompiledForward:
         # under compilation this block is being traced inside its checkpoint's graph
         if not self.training or _failed or torch.compiler.is_compiling():
             return eager(*args, **kwargs)
-        if _has_fp8(self) and _reads_kept_weights(self):
+        if _has_fp8(self) and _is_checkpointed(self):
             from cai.kernels import fp8_weights_ready
 
             # the graph reads the layers' kept FP8 weights, brought up to date (module note)
@@ -129,29 +128,6 @@ def _is_checkpointed(block: nn.Module) -> bool:
     return block.__dict__.get("_cai_checkpoint") is not None or bool(
         getattr(block, "gradient_checkpointing", False)
     )
-
-
-def _reads_kept_weights(block: nn.Module) -> bool:
-    """Whether this training call of an FP8 block reads its layers' kept FP8 weights (module note): always when
-    checkpointed; otherwise from the first call that finds the block's weights as its last call left them."""
-    state = block.__dict__
-    if state.get("_cai_fp8_reread") or _is_checkpointed(block):
-        return True
-    probe = state.get("_cai_fp8_probe", False)
-    if probe is False:
-        from cai.kernels import Fp8Linear
-
-        keeping = (m for m in block.modules() if isinstance(m, Fp8Linear) and m.keep_fp8_weight)
-        probe = state["_cai_fp8_probe"] = next(keeping, None)
-    if probe is None:  # no layer keeps its weight: nothing to read
-        return False
-    weight = probe.weight
-    seen = (weight.data_ptr(), weight._version)
-    if state.get("_cai_fp8_seen") == seen:
-        state["_cai_fp8_reread"] = True  # a second forward at the same weights: accumulation
-        return True
-    state["_cai_fp8_seen"] = seen
-    return False
 
 
 def _has_fp8(block: nn.Module) -> bool:

@@ -47,10 +47,9 @@ raw kernel, ``param.data.copy_``) must call ``torch.autograd.graph.increment_ver
 one byte a weight element; ``LowLevelZeroPlugin(use_fp8=True)`` turns it on, where the bf16 weights are whole on
 every rank anyway. A graph reads a kept weight only inside ``fp8_weights_ready(module)``, which brings the weights
 of ``module``'s layers up to date eagerly first (``cai.booster.compile_blocks`` enters it around each call of a
-checkpointed block, and of an uncheckpointed one once it has run twice at the same weights); elsewhere a traced
-forward quantises the weight in its graph, since a graph cannot check a version counter. An uncheckpointed
-compiled block with one forward a step does not enter it: its in-graph cast is fused and was faster than keeping
-(examples/benchmarks/RESULTS.md).
+checkpointed block); elsewhere a traced forward quantises the weight in its graph, since a graph cannot check a
+version counter. Uncheckpointed compiled blocks do not enter it: with one forward a step their in-graph cast is
+fused and was faster than keeping (examples/benchmarks/RESULTS.md).
 
 [Note: fp8 host time]
 An FP8 linear is six quantisations and three matmuls where the bf16 one is three matmuls. Launched one by one from
@@ -368,9 +367,9 @@ def _kept_weight(linear: Fp8Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
 @contextlib.contextmanager
 def fp8_weights_ready(module: nn.Module):
     """Bring the kept FP8 weights of ``module``'s layers up to date, and let forwards traced by ``torch.compile``
-    inside this context read them ([Note: fp8 kept weights]). Compiled blocks (``cai.booster.compile_blocks``)
-    that read their weights again before they change (checkpointed, or accumulating) enter it around each call; a
-    caller compiling its own model around layers that keep their weights enters it around the compiled call."""
+    inside this context read them ([Note: fp8 kept weights]). Checkpointed compiled blocks
+    (``cai.booster.compile_blocks``) enter it around each call; a caller compiling its own model around layers that keep their weights enters it
+    around the compiled call."""
     global _weights_ready
     for m in module.modules():
         if isinstance(m, Fp8Linear):

@@ -63,7 +63,7 @@ class LowLevelZeroConfig:
             (``cai.kernels.convert_to_fp8``, at ``boost()``; tensor-wise, or what an earlier
             ``convert_to_fp8(model, recipe=...)`` chose); the fp32 masters are unchanged. The converted layers
             keep their weights in FP8 between optimizer steps where a weight is read more than once a step
-            (checkpointed or accumulating compiled blocks, eager layers; one byte a weight element; ``keep_weights`` in
+            (checkpointed compiled blocks, eager layers; one byte a weight element; ``keep_weights`` in
             ``convert_to_fp8``). On GPUs with FP8 tensor cores the decoder blocks are compiled too
             (``cai.booster.compile_blocks``).
 
