@@ -129,6 +129,12 @@ def test_chunk_config_dict_as_colossal_search_returns_it() -> None:
     nested = GeminiPlugin(chunk_config_dict={4: {"chunk_size": 1 << 20, "keep_gathered": False}})
     assert nested.config == GeminiPlugin(chunk_config_dict={"chunk_size": 1 << 20}).config
     assert nested.config.chunk.chunk_size == 1 << 20
+    # what the search returns for a model smaller than one chunk: every chunk kept gathered
+    small = GeminiPlugin(chunk_config_dict={1: {"chunk_size": 4096, "keep_gathered": True}})
+    assert small.config == GeminiPlugin(chunk_config_dict={"chunk_size": 4096}, shard_param_frac=0.0).config
+    assert GeminiPlugin(chunk_config_dict={"keep_gathered": True}, shard_param_frac=0.0).config == (
+        GeminiPlugin(shard_param_frac=0.0).config
+    )
 
 
 def test_low_level_zero_script_maps_onto_the_config() -> None:
@@ -267,7 +273,9 @@ def test_every_rejected_name_raises_with_its_value_and_the_fix(args, cls) -> Non
         (LowLevelZeroPlugin, {"hysteresis": 0}, "hysteresis=0 is invalid"),
         (GeminiPlugin, {"offload_optim_frac": 1.5}, "offload_optim_frac=1.5 is invalid"),
         (GeminiPlugin, {"placement_policy": "cuda"}, "placement_policy='cuda' is invalid"),
-        (GeminiPlugin, {"chunk_config_dict": {"chunk_size": 8, "keep_gathered": True}}, "chunk_config_dict={'chunk_size': 8, 'keep_gathered': True} has keep_gathered=True"),
+        (GeminiPlugin, {"chunk_config_dict": {2: {"chunk_size": 8, "keep_gathered": True}, 4: {"chunk_size": 8}}}, "chunk_config_dict={2: {'chunk_size': 8, 'keep_gathered': True}, 4: {'chunk_size': 8}} has keep_gathered both True and False"),
+        (GeminiPlugin, {"chunk_config_dict": {"chunk_size": 8, "keep_gathered": True}, "shard_param_frac": 0.5}, "chunk_config_dict={'chunk_size': 8, 'keep_gathered': True} and shard_param_frac=0.5 disagree"),
+        (GeminiPlugin, {"chunk_config_dict": {"keep_gathered": True}, "placement_policy": "auto"}, "chunk_config_dict={'keep_gathered': True}, placement_policy='auto' are invalid"),
         (GeminiPlugin, {"chunk_config_dict": {2: {"chunk_size": 8}, 4: {"chunk_size": 16}}}, "chunk_config_dict={2: {'chunk_size': 8}, 4: {'chunk_size': 16}} has chunk sizes [8, 16] for different dp degrees"),
         (GeminiPlugin, {"chunk_config_dict": {"chunk_size": 8, "hidden_dim": 4}}, "chunk_config_dict={'chunk_size': 8, 'hidden_dim': 4} has keys ['hidden_dim'] that are not supported"),
         (GeminiPlugin, {"search_range_m": -1}, "search_range_m=-1 is invalid"),

@@ -43,10 +43,14 @@ def _same(value: Any) -> Any:
     return value
 
 
+UNSET: Any = object()  # from a Mapped's convert: this value leaves that field as it is
+
+
 @dataclass(frozen=True)
 class Mapped:
     """One Colossal-AI keyword that sets ``path`` (dotted, into the config) to ``convert(value)``; a tuple of paths
-    takes a tuple of values from ``convert`` (one keyword that sets several fields).
+    takes a tuple of values from ``convert`` (one keyword that sets several fields), where ``UNSET`` leaves a
+    field alone.
 
     ``check(value)`` returns why a value is invalid, in the keyword's own units, or None; it runs before the
     conversion so that the error never speaks of the converted number.
@@ -60,7 +64,7 @@ class Mapped:
         """The config fields ``value`` sets, by dotted path."""
         if isinstance(self.path, str):
             return {self.path: self.convert(value)}
-        return dict(zip(self.path, self.convert(value), strict=True))
+        return {p: v for p, v in zip(self.path, self.convert(value), strict=True) if v is not UNSET}
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,13 @@ def _chunk_entries(value: Mapping) -> list[Mapping]:
     return [value]
 
 
-def _chunk_size(chunk_config_dict: dict | None) -> int | None:
-    return _chunk_entries(chunk_config_dict)[0].get("chunk_size") if chunk_config_dict else None
+def _chunk_fields(chunk_config_dict: dict | None) -> tuple[int | None, Any]:
+    """``(chunk size, shard_param_frac)``: ``keep_gathered=True`` keeps every chunk gathered, which is
+    ``shard_param_frac=0.0`` (each rank holds the whole parameters; the fp32 masters stay sharded)."""
+    if not chunk_config_dict:
+        return None, UNSET
+    entry = _chunk_entries(chunk_config_dict)[0]
+    return entry.get("chunk_size"), 0.0 if entry.get("keep_gathered") else UNSET
 
 
 def _chunk_dict_check(value: Any) -> str | None:
@@ -197,8 +206,8 @@ def _chunk_dict_check(value: Any) -> str | None:
     extra = sorted({k for e in entries for k in e} - {"chunk_size", "keep_gathered"})
     if extra:
         return f"has keys {extra} that are not supported; only 'chunk_size' and 'keep_gathered'"
-    if any(e.get("keep_gathered") for e in entries):
-        return "has keep_gathered=True, which is not supported; use shard_param_frac=0.0 to keep parameters gathered"
+    if len({bool(e.get("keep_gathered")) for e in entries}) > 1:
+        return "has keep_gathered both True and False for different dp degrees; cai keeps all chunks alike"
     sizes = [e.get("chunk_size") for e in entries]
     if len(set(sizes)) > 1:
         return f"has chunk sizes {sizes} for different dp degrees; cai uses one chunk size"
@@ -221,7 +230,9 @@ _GEMINI_ORDER = (
 GEMINI_ARGS = PluginArgs(
     owner="GeminiPlugin",
     mapped={
-        "chunk_config_dict": Mapped("chunk.chunk_size", _chunk_size, _chunk_dict_check),
+        "chunk_config_dict": Mapped(
+            ("chunk.chunk_size", "shard_param_frac"), _chunk_fields, _chunk_dict_check
+        ),
         "placement_policy": Mapped("placement_policy"),
         "max_prefetch": Mapped("max_prefetch"),
         "shard_param_frac": Mapped("shard_param_frac"),
@@ -480,6 +491,14 @@ def config_from_kwargs(args: PluginArgs, config_type: type, config: Any, kwargs:
                         f"(dataclasses.replace) or drop the keyword"
                     )
         return config
+    setters: dict[str, tuple[str, Any]] = {}  # field -> (the keyword that set it, the value it set)
+    for name, value in mapped.items():
+        for path, v in args.mapped[name].values(value).items():
+            first = setters.setdefault(path, (name, v))
+            if first[1] != v:
+                raise ValueError(
+                    f"{owner}: {first[0]}={mapped[first[0]]!r} and {name}={value!r} disagree; drop one of them"
+                )
     given = {**args.defaults, **mapped}
     values = {path: v for n, value in given.items() for path, v in args.mapped[n].values(value).items()}
     try:

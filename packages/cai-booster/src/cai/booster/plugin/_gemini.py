@@ -40,7 +40,8 @@ class GeminiPlugin(DPPluginBase):
     Colossal-AI's keyword arguments, with its defaults: ``placement_policy="static"``, ``shard_param_frac=1.0``,
     ``offload_optim_frac=0.0``, ``offload_param_frac=0.0``, ``warmup_non_model_data_ratio=0.8``,
     ``steady_cuda_cap_ratio=0.9``, ``precision="fp16"``, ``pin_memory=False``, ``search_range_m=32``,
-    ``hidden_dim=None``, ``min_chunk_size_m=32``, ``chunk_config_dict=None`` (``{"chunk_size": n}``),
+    ``hidden_dim=None``, ``min_chunk_size_m=32``, ``chunk_config_dict=None`` (``{"chunk_size": n}``;
+    ``"keep_gathered": True`` there is ``shard_param_frac=0.0``),
     ``max_prefetch=0``, the loss scaler (``initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
     growth_interval=1000, hysteresis=2, max_scale=2**32``), ``max_norm=0.0``, ``norm_type=2.0``.
     ``chunk_init_device``, ``strict_ddp_mode``, ``enable_async_reduce`` and ``verbose`` are ignored.
