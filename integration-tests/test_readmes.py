@@ -103,6 +103,26 @@ dataset = [{"input_ids": ids, "labels": ids} for ids in _ids]
 """,
         files={"path/to/llama": _save_tiny_llama},
     ),
+    # cai-booster's token-weighted step: a boosted tiny Llama under ZeRO-2 and an iterator `it` of padded batches.
+    "booster-boosted": Setup(
+        code=_TINY_LLAMA
+        + """
+import contextlib
+
+from cai.booster import Booster
+from cai.booster.plugin import LowLevelZeroPlugin
+from cai.mesh import launch_from_torch
+
+launch_from_torch(seed=0)
+booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"), device="cpu")
+model = LlamaForCausalLM(_config)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer, *_ = booster.boost(model, optimizer)
+accum = 2
+_ids = torch.randint(0, 256, (accum, 2, 32))
+it = iter([{"input_ids": ids, "labels": ids.masked_fill(torch.rand(ids.shape) < 0.3, -100)} for ids in _ids])
+"""
+    ),
     # cai-gemini: the block loads "meta-llama/Llama-3.1-8B" with from_pretrained; a tiny Llama is saved
     # under that directory name, so nothing is downloaded and the model fits a test.
     "gemini-tiny-llama": Setup(files={"meta-llama/Llama-3.1-8B": _save_tiny_llama}),

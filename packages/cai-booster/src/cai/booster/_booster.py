@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,47 @@ class Booster:
         """Backward through the optimizer (which applies the loss scale and starts gradient reduction)."""
         _check_boosted(optimizer, OptimizerWrapper, "backward", "optimizer")
         optimizer.backward(loss)
+
+    def num_items_in_batch(
+        self, micro_batches: Iterable[Mapping[str, Any] | torch.Tensor], *, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """What to pass as ``num_items_in_batch`` to the forward of each of a step's ``micro_batches`` so that the
+        step's gradient is that of the mean loss over every target token of the step: all its micro-batches on
+        all data-parallel ranks, however unevenly each is padded ([Note: token-weighted loss]).
+
+        Each micro-batch is a mapping with ``labels`` (shifted by one, as Hugging Face's causal-LM loss does) or
+        ``shift_labels`` (taken as they are), or a labels tensor; tokens equal to ``ignore_index`` do not count.
+        The count is summed over the data-parallel group without a host read. Call it on every rank, with the
+        micro-batches of this rank's step, before their forwards.
+        """
+        if getattr(self.plugin, "pp_size", 1) > 1:
+            raise ValueError(
+                f"Booster.num_items_in_batch: {self.plugin.name} with pp_size > 1 computes the loss in its "
+                "pipeline schedule, which averages its micro-batches; token weighting is not available there"
+            )
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in micro_batches:
+            if isinstance(mb, Mapping):
+                shifted = mb.get("shift_labels")
+                if shifted is None:
+                    if mb.get("labels") is None:
+                        raise ValueError(
+                            "Booster.num_items_in_batch: a micro-batch has neither 'labels' nor 'shift_labels'"
+                        )
+                    shifted = mb["labels"][..., 1:]
+            elif isinstance(mb, torch.Tensor):
+                shifted = mb[..., 1:]
+            else:
+                raise TypeError(
+                    f"Booster.num_items_in_batch: a micro-batch is a {type(mb).__name__}; pass mappings with "
+                    "'labels' or 'shift_labels', or labels tensors"
+                )
+            count += (shifted != ignore_index).sum().to(count.device)
+        group = self.plugin.dp_group
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(count, group=group)
+        # gradients are averaged over the data-parallel ranks, so each rank divides by its share of the count
+        return (count.clamp_min(1) / self.plugin.dp_size).float()
 
     @contextlib.contextmanager
     def no_sync(
