@@ -169,14 +169,14 @@ class Booster:
             )
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
-            if isinstance(mb, Mapping):
-                shifted = mb.get("shift_labels")
-                if shifted is None:
-                    if mb.get("labels") is None:
-                        raise ValueError(
-                            "Booster.num_items_in_batch: a micro-batch has neither 'labels' nor 'shift_labels'"
-                        )
-                    shifted = mb["labels"][..., 1:]
+            if isinstance(mb, Mapping) and mb.get("shift_labels") is not None:
+                shifted = mb["shift_labels"]
+            elif isinstance(mb, Mapping) and mb.get("labels") is not None:
+                shifted = mb["labels"][..., 1:]
+            elif isinstance(mb, Mapping):
+                raise ValueError(
+                    "Booster.num_items_in_batch: a micro-batch has neither 'labels' nor 'shift_labels'"
+                )
             elif isinstance(mb, torch.Tensor):
                 shifted = mb[..., 1:]
             else:

@@ -476,6 +476,7 @@ def config_from_kwargs(args: PluginArgs, config_type: type, config: Any, kwargs:
         reason = check(value) if check else None
         if reason:
             raise ValueError(f"{owner}: {name}={value!r} {reason}")
+    fields = {name: args.mapped[name].values(value) for name, value in mapped.items()}  # by keyword, by path
     if config is not None:
         if not isinstance(config, config_type):
             raise TypeError(
@@ -483,7 +484,7 @@ def config_from_kwargs(args: PluginArgs, config_type: type, config: Any, kwargs:
                 f"config={config_type.__name__}(...) or Colossal-AI's keyword arguments"
             )
         for name, value in mapped.items():
-            for path, want in args.mapped[name].values(value).items():
+            for path, want in fields[name].items():
                 have = _get(config, path)
                 if want != have:
                     raise ValueError(
@@ -491,16 +492,21 @@ def config_from_kwargs(args: PluginArgs, config_type: type, config: Any, kwargs:
                         f"(dataclasses.replace) or drop the keyword"
                     )
         return config
-    setters: dict[str, tuple[str, Any]] = {}  # field -> (the keyword that set it, the value it set)
+    values = {
+        path: v
+        for n, value in args.defaults.items()
+        if n not in mapped
+        for path, v in args.mapped[n].values(value).items()
+    }
+    setters: dict[str, str] = {}  # field -> the keyword that set it
     for name, value in mapped.items():
-        for path, v in args.mapped[name].values(value).items():
-            first = setters.setdefault(path, (name, v))
-            if first[1] != v:
+        for path, v in fields[name].items():
+            first = setters.setdefault(path, name)
+            if first != name and values[path] != v:
                 raise ValueError(
-                    f"{owner}: {first[0]}={mapped[first[0]]!r} and {name}={value!r} disagree; drop one of them"
+                    f"{owner}: {first}={mapped[first]!r} and {name}={value!r} disagree; drop one of them"
                 )
-    given = {**args.defaults, **mapped}
-    values = {path: v for n, value in given.items() for path, v in args.mapped[n].values(value).items()}
+            values[path] = v
     try:
         return _build(config_type(), values)
     except (ValueError, TypeError) as err:
@@ -508,11 +514,7 @@ def config_from_kwargs(args: PluginArgs, config_type: type, config: Any, kwargs:
         if text.startswith(f"{owner}: "):
             raise  # a check written for the plugin already speaks of its keywords
         # The config names its own fields; name the keywords the user passed that set them.
-        blamed = [
-            n
-            for n in mapped
-            if any(re.search(rf"\b{p.split('.')[-1]}\b", text) for p in args.mapped[n].values(mapped[n]))
-        ]
+        blamed = [n for n in mapped if any(re.search(rf"\b{p.split('.')[-1]}\b", text) for p in fields[n])]
         said = ", ".join(f"{n}={kwargs[n]!r}" for n in blamed)
         lead = f"{said} {'is' if len(blamed) == 1 else 'are'} invalid: " if blamed else ""
         raise type(err)(f"{owner}: {lead}{text}") from err
