@@ -14,7 +14,8 @@ Tensor x pipeline (x sequence) x data parallelism with ZeRO-1 (CPU: tp x pp x sp
     python examples/train_llama.py --plugin hybrid --tp 2 --pp 2
 
 The model is built from a ``LlamaConfig`` (hidden 128, 4 layers, ~0.66M parameters) and the data is generated on
-the fly (``<bos> 3 1 4 <sep> 4 1 3 <eos>``, loss on the answer only), so nothing is downloaded. The run trains
+the fly (``<bos> 3 1 4 <sep> 4 1 3 <eos>``, loss on the answer only: the mean over every answer token of the
+global batch, through ``Booster.num_items_in_batch``), so nothing is downloaded. The run trains
 ``--steps`` steps, saves a checkpoint at ``--save-at`` (default halfway), rebuilds the model and optimizer from
 scratch, loads the checkpoint and continues (the probe loss before saving and after loading must agree), and
 ends with exact-match accuracy by greedy decoding on held-out sequences.
@@ -287,8 +288,11 @@ class Run:
         batches = itertools.islice(self.loader, until - self.step)
         for batch in batches:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            # Answers differ in length: the loss is the mean over every answer token of the global batch, each
+            # rank's forward dividing its token sum by the count over all data-parallel ranks.
+            batch["num_items_in_batch"] = self.booster.num_items_in_batch([batch])
             if self.choice.pipelined:
-                # Forward and backward of every micro-batch; the loss (their mean) reaches every stage.
+                # Forward and backward of every micro-batch; the loss (their sum) reaches every stage.
                 out = self.booster.execute_pipeline(
                     iter([batch]), self.model, _hf_loss, self.optimizer, return_loss=True
                 )
@@ -306,8 +310,9 @@ class Run:
             steps += 1
             tokens += batch["input_ids"].numel()
             if self.step % args.log_every == 0 or self.step == until:
-                # One all-reduce per log line: the bar shows the mean loss over ranks since the last line
-                # (the ranks of one replica hold the same loss, so this is the mean over replicas).
+                # One all-reduce per log line: the bar shows the mean loss over ranks since the last line (the
+                # ranks of one replica hold the same loss, so this is the mean over replicas, each replica's
+                # loss its part of the global token mean: their mean is that mean).
                 dist.all_reduce(loss_sum)
                 last_loss = float(loss_sum) / (steps * self.world)
                 synchronize(device)

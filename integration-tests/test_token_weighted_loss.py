@@ -1,6 +1,8 @@
 """Token-weighted loss through ``Booster.num_items_in_batch``: on 2 gloo ranks, 2 accumulated micro-batches each,
-with padding that differs between sequences, micro-batches and ranks, the step's gradients and the trained
-parameters equal those of one process whose loss is the mean over every target token of the global batch.
+with padding that differs between sequences, micro-batches and ranks, the step's gradients, the logged loss (its
+mean over the data-parallel ranks) and the trained parameters equal those of one process whose loss is the mean
+over every target token of the global batch. Pipelines (pp 2 on 2 ranks, pp 2 x dp 2 on 4) take the count in the
+batch and split it into the 2 micro-batches themselves.
 
 Without the count (each micro-batch's own mean, averaged) the same steps differ from that reference: the last test
 checks that the comparison can fail.
@@ -43,7 +45,11 @@ HYBRID = {
         enable_sequence_parallelism=True,
         sequence_parallelism_mode="all_to_all",
     ),
+    # pipelines: the count goes in the batch, the schedule splits it into 2 micro-batches and sums their losses
+    "hybrid-pp2": dict(tp_size=1, pp_size=2, num_microbatches=2),
+    "hybrid-pp2-dp2-zero1": dict(tp_size=1, pp_size=2, zero_stage=1, num_microbatches=2),
 }
+WORLD = {"hybrid-pp2-dp2-zero1": 4}
 
 
 def build(plugin: str) -> torch.nn.Module:
@@ -61,26 +67,28 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def reference(plugin: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(plugin: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process, the whole global batch, Hugging Face's loss: the mean over all its target tokens."""
     model = build(plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    first = {}
+    losses, first = [], {}
     for step in range(STEPS):
         ids, labels = batch(step)
-        model(input_ids=ids, labels=labels).loss.backward()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
         if step == 0:
             first = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return first, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, first, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def boosted(plugin: str, weighted: bool) -> bool:
     from cai.booster import Booster
     from cai.booster.plugin import HybridParallelPlugin
 
-    want_grads, want_params = reference(plugin)
+    want_losses, want_grads, want_params = reference(plugin)
     model = build(plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     if plugin in HYBRID:
@@ -91,18 +99,33 @@ def boosted(plugin: str, weighted: bool) -> bool:
         rank, world = dist.get_rank(), dist.get_world_size()
         booster = Booster(plugin=make_plugin(plugin), device="cpu")
     model, opt, *_ = booster.boost(model, opt)
+    pipeline = getattr(booster.plugin, "pp_size", 1) > 1
     matched = True
     for step in range(STEPS):
         ids, labels = (t.chunk(world)[rank] for t in batch(step))
-        micro = [
-            {"input_ids": i, "labels": lab} for i, lab in zip(ids.chunk(2), labels.chunk(2), strict=True)
-        ]
-        n = booster.num_items_in_batch(micro)
-        for i, mb in enumerate(micro):
-            first = i == 0 and booster.plugin.support_no_sync()
-            with booster.no_sync(model, opt) if first else contextlib.nullcontext():
-                out = model(**mb, num_items_in_batch=n) if weighted else model(**mb)
-                booster.backward(out.loss if weighted else out.loss / len(micro), opt)
+        loss = torch.zeros(())
+        if pipeline:  # the schedule splits the rank's batch into its 2 micro-batches
+            mine = {"input_ids": ids, "labels": labels}
+            if weighted:
+                mine["num_items_in_batch"] = booster.num_items_in_batch([mine])
+            loss += booster.execute_pipeline(iter([mine]), model, lambda o, _b: o["loss"], opt)["loss"]
+        else:
+            micro = [
+                {"input_ids": i, "labels": lab} for i, lab in zip(ids.chunk(2), labels.chunk(2), strict=True)
+            ]
+            n = booster.num_items_in_batch(micro)
+            for i, mb in enumerate(micro):
+                first = i == 0 and booster.plugin.support_no_sync()
+                with booster.no_sync(model, opt) if first else contextlib.nullcontext():
+                    out = model(**mb, num_items_in_batch=n) if weighted else model(**mb)
+                    booster.backward(out.loss if weighted else out.loss / len(micro), opt)
+                loss += out.loss.detach() if weighted else out.loss.detach() / len(micro)
+        # each rank's loss is its part of the step's token mean: their mean over the dp ranks is the whole mean
+        dist.all_reduce(loss, group=booster.plugin.dp_group)
+        if weighted:
+            got = torch.tensor(loss.item() / world, dtype=torch.float64)
+            want = torch.tensor(want_losses[step], dtype=torch.float64)
+            assert_close(got, want, rtol=1e-5, name=f"step {step} loss")
         if (
             step == 0 and plugin not in HYBRID
         ):  # gradients where the plugin's pieces are read; all: parameters
@@ -114,7 +137,7 @@ def boosted(plugin: str, weighted: bool) -> bool:
                     matched &= torch.allclose(local.float(), want, rtol=1e-5, atol=1e-7)
         opt.step()
         opt.zero_grad()
-    params = gathered_params(booster, model)
+    params = gathered_params(booster, model, set(want_params))
     if weighted:
         assert_close(params, want_params, rtol=1e-5, atol=1e-7, name="params")
     return matched
@@ -122,7 +145,7 @@ def boosted(plugin: str, weighted: bool) -> bool:
 
 @pytest.mark.parametrize("plugin", ["ddp", "fsdp", "zero2", "gemini", *HYBRID])
 def test_token_weighted_steps_match_the_global_token_mean(plugin: str) -> None:
-    run_distributed(boosted, 2, plugin, True, timeout=180)
+    run_distributed(boosted, WORLD.get(plugin, 2), plugin, True, timeout=180)
 
 
 def test_per_micro_batch_means_do_not_match_it() -> None:

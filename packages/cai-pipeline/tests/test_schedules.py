@@ -224,7 +224,15 @@ def _bad_input_on_two_stages():
         want = _criterion(Blocks(_model()[:4], first=True)(None, batch), batch)
     assert abs(out["loss"].item() - want.item()) <= 1e-6 * abs(want.item())
     assert (out["outputs"] is not None) == (dist.get_rank() == 1)
+    # a batch carrying the step's token count sums its micro-batches' losses ([Note: token-weighted pipeline loss])
+    with torch.no_grad():
+        out = one.forward_backward_step(stage, iter([{**batch, "num_items_in_batch": 7}]), _criterion)
+        full = Blocks(_model()[:4], first=True)
+        want = sum(_criterion(full(None, mb), mb) for mb in split_batch(batch, num_microbatches=4))
+    assert abs(out["loss"].item() - want.item()) <= 1e-6 * abs(want.item())
     assert all(p.grad is None for p in stage.parameters())
+    with pytest.raises(ValueError, match="num_items_in_batch in a pipeline batch must be a number or a 0-d"):
+        one.forward_backward_step(stage, iter([{**batch, "num_items_in_batch": torch.ones(2)}]), _criterion)
     return True
 
 

@@ -160,13 +160,10 @@ class Booster:
         Each micro-batch is a mapping with ``labels`` (shifted by one, as Hugging Face's causal-LM loss does) or
         ``shift_labels`` (taken as they are), or a labels tensor; tokens equal to ``ignore_index`` do not count.
         The count is summed over the data-parallel group without a host read. Call it on every rank, with the
-        micro-batches of this rank's step, before their forwards.
+        micro-batches of this rank's step, before their forwards. Under a pipeline (``pp_size > 1``) put it in the
+        batch given to ``execute_pipeline`` as ``batch["num_items_in_batch"]``: every micro-batch's forward gets it
+        and the schedule sums their losses instead of averaging them.
         """
-        if getattr(self.plugin, "pp_size", 1) > 1:
-            raise ValueError(
-                f"Booster.num_items_in_batch: {self.plugin.name} with pp_size > 1 computes the loss in its "
-                "pipeline schedule, which averages its micro-batches; token weighting is not available there"
-            )
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             if isinstance(mb, Mapping) and mb.get("shift_labels") is not None:

@@ -98,6 +98,7 @@ def run_plan(
     return_outputs: bool = False,
     record_timeline: bool = False,
     group: dist.ProcessGroup | None = None,
+    sum_losses: bool = False,
 ) -> StepResult:
     lay, m = plan.layout, plan.num_microbatches
     last = lay.num_virtual - 1
@@ -117,6 +118,8 @@ def run_plan(
     losses: list[torch.Tensor] = []
     outputs: list[Any] = []
     scale = float(getattr(optimizer, "loss_scale", 1.0) or 1.0)
+    if not sum_losses:  # the step's loss is the mean of its micro-batches' losses
+        scale /= m
     no_sync = getattr(optimizer, "no_sync", None)
     grad_kind = "W" if plan.split_backward else "B"
     last_grad_action = max((i for i, a in enumerate(actions) if a.kind == grad_kind), default=-1)
@@ -167,7 +170,7 @@ def run_plan(
             if v == last and criterion is not None:
                 loss = criterion(out, micro_batches[a.mb])
                 losses.append(loss.detach())
-                roots = [loss * (scale / m)] if training else []
+                roots = [loss * scale] if training else []
             else:
                 roots = _grad_tensors(out) if training else []
             record(a, t0)
@@ -218,7 +221,8 @@ def run_plan(
         p2p.wait_sends()
     result = StepResult(timeline=timeline, p2p_bytes=dict(p2p.bytes_sent) if p2p is not None else {})
     if losses:
-        result.loss = torch.stack([x.float() for x in losses]).mean()
+        stacked = torch.stack([x.float() for x in losses])
+        result.loss = stacked.sum() if sum_losses else stacked.mean()
     if outputs:
         result.outputs = merge_outputs(outputs)
     return result

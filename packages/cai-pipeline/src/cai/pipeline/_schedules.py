@@ -1,8 +1,16 @@
-"""Pipeline schedules with Colossal-AI's names: GPipe, 1F1B, interleaved 1F1B and zero-bubble V."""
+"""Pipeline schedules with Colossal-AI's names: GPipe, 1F1B, interleaved 1F1B and zero-bubble V.
+
+[Note: token-weighted pipeline loss]
+Hugging Face's loss divides a micro-batch's token sum by ``num_items_in_batch`` when given one, so a batch whose
+``num_items_in_batch`` counts the whole step's target tokens (``Booster.num_items_in_batch``) makes each
+micro-batch's loss its share of the step's token mean. The schedule then sums the micro-batches' losses and
+backpropagates each one unscaled, where otherwise it averages them. The count is a number or a 0-d tensor, which
+``split_batch`` hands to every micro-batch whole.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,6 +61,19 @@ def split_batch(
         )
         for i in range(num_microbatches)
     ]
+
+
+def _token_weighted(batch: Any) -> bool:
+    """Whether ``batch`` carries the step's token count (see [Note: token-weighted pipeline loss])."""
+    if not isinstance(batch, Mapping) or batch.get("num_items_in_batch") is None:
+        return False
+    n = batch["num_items_in_batch"]
+    if isinstance(n, torch.Tensor) and n.dim() > 0:
+        raise ValueError(
+            f"num_items_in_batch in a pipeline batch must be a number or a 0-d tensor (the step's target tokens, "
+            f"given to every micro-batch), got a tensor of shape {tuple(n.shape)}"
+        )
+    return True
 
 
 def _pp_group(stage_manager: Any) -> dist.ProcessGroup | None:
@@ -159,6 +180,10 @@ class PipelineSchedule:
         that has ``no_sync()`` (cai-zero), every backward but this stage's last runs inside it, and a ``loss_scale``
         attribute scales the loss. Returns ``{"loss": mean over micro-batches (every stage gets it), "outputs": the
         last stage's outputs concatenated over micro-batches, None elsewhere}``.
+
+        A batch that carries ``num_items_in_batch`` (a number or a 0-d tensor: the target tokens of the whole step)
+        gives it to every micro-batch's forward, whose loss is then a token sum over that count, so the step's loss
+        and gradient are the micro-batches' sum instead of their mean ([Note: token-weighted pipeline loss]).
         """
         if isinstance(getattr(model_chunks, "chunks", None), nn.ModuleList):  # a PipelineModel
             model_chunks = model_chunks.chunks
@@ -166,6 +191,7 @@ class PipelineSchedule:
             list(model_chunks) if isinstance(model_chunks, (list, tuple, nn.ModuleList)) else [model_chunks]
         )
         batch = next(data_iter)
+        sum_losses = _token_weighted(batch)
         micro = split_batch(
             batch, num_microbatches=self.num_microbatches, microbatch_size=self.microbatch_size
         )
@@ -186,6 +212,7 @@ class PipelineSchedule:
             return_outputs=return_outputs,
             record_timeline=self.record_timeline,
             group=self.group,
+            sum_losses=sum_losses,
         )
         self.timeline, self.p2p_bytes = res.timeline, res.p2p_bytes
         loss = res.loss

@@ -350,7 +350,8 @@ class HybridParallelPlugin(Plugin):
         """One batch from ``data_iter`` through the pipeline: forward and (with grad enabled) backward of every
         micro-batch; gradients accumulate in the optimizer, which you then step. Returns ``{"loss", "outputs"}``:
         the loss averaged over micro-batches on every stage (cai broadcasts it, so any rank can log it), the last
-        stage's outputs (None elsewhere)."""
+        stage's outputs (None elsewhere). A batch with ``num_items_in_batch`` (``Booster.num_items_in_batch``)
+        is token-weighted: its micro-batches' losses are summed, not averaged."""
         if self.pp_size == 1:
             raise ValueError(
                 f"{self.name}.execute_pipeline: pp_size=1, so there is no pipeline; call model(**batch) and "
