@@ -22,6 +22,7 @@ from cai.mesh import (
     _guard,
     advance_step,
     current_step,
+    debug_checks_on,
     free_port,
     launch,
 )
@@ -55,6 +56,7 @@ def _out_of_step(port: int, debug: bool) -> tuple[str, str, float]:
     """Rank 1 skips step 1's all-reduce; then both ranks meet at the barrier before a save."""
     try:
         _relaunch(port, timeout=TIMEOUT_S, debug_collectives=debug)
+        assert debug_checks_on() == debug  # what other packages read for their own debug checks
         t = torch.ones(4)
         dist.all_reduce(t)
         advance_step()

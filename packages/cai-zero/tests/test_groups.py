@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -244,19 +245,22 @@ class PpCase:
     max_norm: float = 0.0
     norm_first: bool = False  # call grad_norm() before step(): the shared sum must still happen once
     dp: int = 2
+    debug: bool = False  # the debug checks on: the copies are compared after every step
+    corrupt: bool = False  # with debug: stage 1's master copy is changed before the last step
 
     @property
     def id(self) -> str:
         clip = f"-clip{self.max_norm}" if self.max_norm else ""
-        return f"zero{self.stage}-pp2-dp{self.dp}-accum{self.accum}{clip}" + (
-            "-norm-first" if self.norm_first else ""
+        return (
+            f"zero{self.stage}-pp2-dp{self.dp}-accum{self.accum}{clip}"
+            + ("-norm-first" if self.norm_first else "")
+            + ("-debug" if self.debug else "")
         )
 
 
 def _train_pp(case: PpCase) -> dict:
     mesh = ParallelDims(pp=2, dp=case.dp).build_mesh()
-    pp_group, stage, dp_rank = mesh.group("pp"), mesh.coordinate("pp"), mesh.coordinate("dp")
-    peer = next(r for r in mesh.ranks("pp") if r != dist.get_rank())
+    pp_group, stage = mesh.group("pp"), mesh.coordinate("pp")
     model = _Stage0() if stage == 0 else _Stage1()
     tied = "embed.weight" if stage == 0 else "head.weight"
     opt = ZeroOptimizer(
@@ -270,6 +274,14 @@ def _train_pp(case: PpCase) -> dict:
     )
     alone = next(b for b in opt.buckets if any(s.name == tied for s in b.slots))
     out = {"stage": stage, "alone": len(alone.slots) == 1, "norms": [], "params": [], "sums": []}
+    with mock.patch("cai.zero._optimizer.debug_checks_on", lambda: case.debug):
+        _train_pp_steps(case, mesh, model, opt, alone, out)
+    return out
+
+
+def _train_pp_steps(case: PpCase, mesh, model, opt, alone, out: dict) -> None:
+    stage, dp_rank = mesh.coordinate("pp"), mesh.coordinate("dp")
+    peer = next(r for r in mesh.ranks("pp") if r != dist.get_rank())
     for step in range(PP_STEPS):
         ids, labels = _pp_batch(step, case.dp * case.accum * MB)
         with CollectiveCounter() as cc:
@@ -293,20 +305,24 @@ def _train_pp(case: PpCase) -> dict:
                         dist.send(h.grad, peer)
             if case.norm_first or case.max_norm:
                 out["norms"].append(opt.grad_norm().item())
+            if case.corrupt and stage == 1 and step == PP_STEPS - 1:
+                alone.master.add_(1e-3)
             opt.step()
         opt.zero_grad()
         # the shared gradient's sums over the pp group: its fp32 shard, all-reduced (scalar norms are 4 bytes)
+        pp_ranks = tuple(mesh.ranks("pp"))
         out["sums"].append(
             sum(
                 1
                 for e in cc.events
-                if e.op == "all_reduce"
-                and e.group_ranks == tuple(mesh.ranks("pp"))
-                and e.nbytes == alone.shard * 4
+                if e.op == "all_reduce" and e.group_ranks == pp_ranks and e.nbytes == alone.shard * 4
             )
         )
+        # the debug checks' comparison: the copy's whole working bucket gathered over the pp group
+        gathered = alone.padded * alone.working.element_size() * 2
+        checks = [e for e in cc.events if e.op == "all_gather" and e.group_ranks == pp_ranks]
+        assert [e.nbytes for e in checks] == ([gathered] if case.debug else []), checks
         out["params"].append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return out
 
 
 def _reference_pp(case: PpCase) -> dict:
@@ -332,6 +348,7 @@ PP_CASES = [
     PpCase(stage=1, max_norm=0.5),
     PpCase(stage=2, max_norm=0.5, norm_first=True),
     PpCase(stage=0, accum=2, max_norm=0.5),
+    PpCase(stage=2, dp=1, debug=True),
 ]
 
 
@@ -351,3 +368,9 @@ def test_shared_weight_on_two_stages_steps_with_the_summed_gradient(case: PpCase
         for step in range(PP_STEPS):
             want = {mine: ref["params"][step][theirs] for mine, theirs in names.items()}
             _close(got["params"][step], want, f"rank {rank} (stage {got['stage']}) step {step}")
+
+
+def test_the_debug_checks_catch_copies_of_a_shared_weight_that_differ() -> None:
+    # the same run as the -debug case, with one copy's master moved before the last step
+    with pytest.raises(Exception, match=r"copies of shared parameter '(embed|head)\.weight' differ"):
+        run_distributed(_train_pp, 2, PpCase(stage=2, dp=1, debug=True, corrupt=True))

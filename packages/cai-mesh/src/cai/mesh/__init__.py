@@ -29,6 +29,7 @@ from cai.mesh._guard import (
     CollectiveTimeoutError,
     advance_step,
     current_step,
+    debug_checks_on,
 )
 from cai.mesh._hooks import register_grad_hooks_weakly
 from cai.mesh._launch import (
@@ -77,6 +78,7 @@ __all__ = [
     "assemble",
     "auto_set_accelerator",
     "current_step",
+    "debug_checks_on",
     "disable_existing_loggers",
     "flat_pieces",
     "fp8_all_gather_into_tensor",

@@ -47,6 +47,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "advance_step",
     "current_step",
+    "debug_checks_on",
 ]
 
 # A job is stuck when no rank has made progress for this long. Long enough for the longest thing one rank does
@@ -93,6 +94,14 @@ class _State:
 
 
 _STATE = _State()
+
+
+def debug_checks_on() -> bool:
+    """Whether ``launch_*`` turned the debug checks on (``debug_collectives=True`` or ``$CAI_DEBUG_COLLECTIVES``).
+
+    Other packages read it to run invariant checks too costly for every step of a normal run (cai-zero compares
+    the copies of a tied weight after each step)."""
+    return _STATE.posting
 
 
 def current_step() -> int:

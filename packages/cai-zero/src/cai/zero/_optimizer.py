@@ -26,6 +26,7 @@ from cai.mesh import (
     LocalShard,
     Read,
     all_gather_into_tensor,
+    debug_checks_on,
     flat_pieces,
     fp8_all_reduce,
     fp8_reduce_scatter_tensor,
@@ -492,6 +493,26 @@ class ZeroOptimizer:
                 dist.all_reduce(total, group=group)
             b.grad_shard = total.to(self._master_device)
 
+    def _check_shared(self) -> None:
+        """With the debug checks on (``cai.mesh.debug_checks_on``): every copy of each shared parameter holds the
+        same bits after the step, else it raises naming the parameter and the ranks that differ."""
+        for b, group in self._shared:
+            if not dist.is_initialized() or dist.get_world_size(group) == 1:
+                continue
+            self._wait_gather([b])
+            mine = b.working.to(self.device)
+            copies = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(copies, mine, group=group)
+            differ = [
+                dist.get_global_rank(group, i) for i, c in enumerate(copies) if not torch.equal(c, mine)
+            ]
+            if differ:
+                raise RuntimeError(
+                    f"ZeroOptimizer: after step {self._step_count} the copies of shared parameter "
+                    f"{b.slots[0].name!r} differ between rank {dist.get_rank()} and rank(s) {differ}; they must "
+                    "take the same step of the summed gradient ([Note: shared parameters])"
+                )
+
     def _gather(self, b: Bucket, *, async_op: bool, shard: torch.Tensor | None = None) -> None:
         """All-gather the updated master shard into the bucket's working buffer (the parameters' storage).
         ``shard``: the update already wrote it in the working dtype (into the working buffer itself at one rank)."""
@@ -610,6 +631,8 @@ class ZeroOptimizer:
             b.grad_shard = None
             b.reduced_in_window = 0
         self._shared_summed = False
+        if self._shared and debug_checks_on():
+            self._check_shared()
 
     def _device_step(self) -> dict[int, torch.Tensor]:
         """The wrapped optimizer's step on the master shards; returns the working-dtype shards it wrote, by bucket.
