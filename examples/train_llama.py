@@ -352,10 +352,15 @@ class Run:
             loss = self.model(**batch).loss
         return float(loss.float())
 
+    @torch.no_grad()
     def accuracy(self) -> float:
         self.model.eval()
         model = HybridLogits(self) if self.args.layout else self.model
-        return exact_match(model, self.task, self.args.eval_samples, EVAL_SEED, self.device)
+        if self.choice.pipelined:
+            return exact_match(model, self.task, self.args.eval_samples, EVAL_SEED, self.device)
+        # sharded parameters (Gemini, FSDP) gathered once for all the decoding forwards, not once per forward
+        with self.booster.gathered(self.model):
+            return exact_match(model, self.task, self.args.eval_samples, EVAL_SEED, self.device)
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save(self, path: str) -> None:

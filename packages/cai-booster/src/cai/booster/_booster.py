@@ -209,6 +209,21 @@ class Booster:
         with self.plugin.no_sync(model, optimizer):
             yield
 
+    @contextlib.contextmanager
+    def gathered(self, model: ModelWrapper) -> Iterator[None]:
+        """The model's parameters gathered once for the forwards inside, and freed again on exit.
+
+        For generation and evaluation under sharded plugins: ``model.generate(...)`` runs one forward per token,
+        and GeminiPlugin and TorchFSDPPlugin would otherwise all-gather every parameter for each of them. Every
+        rank enters it (the gathers are collectives); the whole model must fit on the device. Forwards inside run
+        without gradients. Plugins whose ranks hold whole parameters (DDP, LowLevelZero, HybridParallel's
+        tensor-parallel shards, which compute whole outputs) have nothing to gather; with ``pp_size > 1`` it
+        raises, since no rank holds the whole model.
+        """
+        _check_boosted(model, ModelWrapper, "gathered", "model")
+        with self.plugin.gathered(model):
+            yield
+
     def execute_pipeline(
         self,
         data_iter: Iterator,

@@ -52,6 +52,14 @@ class ModelWrapper(nn.Module):
                 _GENERATED_POSITIONS.reset(token)
         return self.module(*args, **kwargs)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's model's ``generate`` (Hugging Face's). Under GeminiPlugin and TorchFSDPPlugin call it inside
+        ``booster.gathered(model)``, which gathers the parameters once instead of once per token."""
+        module = self.unwrap(unwrap_peft=False)
+        if not hasattr(module, "generate"):
+            raise AttributeError(f"ModelWrapper.generate: {type(module).__name__} has no generate()")
+        return module.generate(*args, **kwargs)
+
     def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
         module = self._cai_unwrapped
         if unwrap_peft and hasattr(module, "get_base_model") and type(module).__name__.startswith("Peft"):

@@ -72,6 +72,7 @@ class ChunkManager:
         )
         self._events: dict[int, torch.cuda.Event] = {}
         self.gathers = 0
+        self.holding = False  # inside GeminiModel.gathered(): every chunk stays gathered
 
     # ---- building -------------------------------------------------------------------------------------------
     def _build(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
@@ -163,7 +164,7 @@ class ChunkManager:
     def access(self, chunks: list[Chunk], phase: str, placer: AutoPlacer | None) -> None:
         """Make ``chunks`` usable now (gathered and waited for), release idle ones, prefetch the next ones."""
         wanted = {c.index for c in chunks}
-        for c in self._releasable:
+        for c in self._releasable if not self.holding else ():
             if c.gathered and c.index not in wanted and self._idle(c, phase):
                 c.release()
         if self.recording:
@@ -245,6 +246,15 @@ class ChunkManager:
 
     def end_step(self) -> None:
         self.recording = False
+
+    def gather_all(self) -> None:
+        """Gather every chunk now (one all-gather each; those gathered or in flight are waited for)."""
+        for c in self.chunks:
+            if c.pending is not None or c.index in self._events:
+                self._wait(c)
+            elif not c.gathered:
+                c.gather()
+                self.gathers += 1
 
     def release_all(self) -> None:
         for c in self.chunks:

@@ -119,6 +119,11 @@ class GeminiModel(nn.Module):
         return self.module(*args, **kwargs)
 
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.chunk_manager.holding and torch.is_grad_enabled():
+            raise RuntimeError(
+                "GeminiModel.gathered(): the forwards inside it run without gradients (generation, evaluation "
+                "under torch.no_grad()); run training forwards outside it"
+            )
         if not self._warmup_started:
             self._warmup_started = True
             self.tracker.begin_warmup()
@@ -134,8 +139,30 @@ class GeminiModel(nn.Module):
         return args, kwargs
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and not self.chunk_manager.holding:
             self.chunk_manager.release_all()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Gather every chunk once, keep them gathered for the forwards inside, and release them on exit.
+
+        For generation and evaluation: ``model.generate`` calls the model once per token, and each call would
+        otherwise all-gather every chunk again. The whole model must fit on the device in the working dtype
+        beside what is there. Forwards inside run without gradients (``generate`` turns them off itself); a
+        training forward raises. Every rank of the group enters it, as every rank joins each all-gather.
+        """
+        manager = self.chunk_manager
+        if manager.holding:  # nested: the outer context releases
+            yield
+            return
+        with torch.no_grad():
+            manager.gather_all()
+        manager.holding = True
+        try:
+            yield
+        finally:
+            manager.holding = False
+            manager.release_all()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         phase = BWD if _in_backward() else FWD

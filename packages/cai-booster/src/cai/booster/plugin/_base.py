@@ -119,6 +119,11 @@ class Plugin(ABC):
         raise NotImplementedError(f"{self.name} does not support no_sync")
         yield
 
+    @contextlib.contextmanager
+    def gathered(self, model: ModelWrapper) -> Iterator[None]:
+        """Whole parameters for the forwards inside (``Booster.gathered``); nothing to do where they are whole."""
+        yield
+
     def model_state(self, model: ModelWrapper) -> Any:
         """The state-protocol object (``sharded_state_dict``/``load_sharded_state_dict``) for a boosted model."""
         from cai.booster._state import ModuleState

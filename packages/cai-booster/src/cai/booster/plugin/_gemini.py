@@ -145,6 +145,11 @@ class GeminiPlugin(DPPluginBase):
         with model._cai_gemini.no_sync():
             yield
 
+    @contextlib.contextmanager
+    def gathered(self, model: ModelWrapper) -> Iterator[None]:
+        with model._cai_gemini.gathered():
+            yield
+
     def model_state(self, model: ModelWrapper) -> Any:
         return model._cai_gemini
 

@@ -363,6 +363,17 @@ class HybridParallelPlugin(Plugin):
         )
 
     @contextlib.contextmanager
+    def gathered(self, model: ModelWrapper) -> Iterator[None]:
+        # tensor-parallel shards stay split: the sharded forward computes the whole model's outputs
+        if self.pp_size > 1:
+            raise ValueError(
+                f"{self.name}.gathered: with pp_size={self.pp_size} each rank holds only its stages, so "
+                "model(...) and generate() cannot run on one rank; run forwards through execute_pipeline, or "
+                "save the model and serve it with cai-infer"
+            )
+        yield
+
+    @contextlib.contextmanager
     def no_sync(self, model: ModelWrapper, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
         if optimizer is None:
             raise ValueError(f"{self.name}.no_sync: pass the boosted optimizer (gradients live in it)")

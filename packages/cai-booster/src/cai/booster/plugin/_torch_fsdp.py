@@ -246,6 +246,25 @@ class TorchFSDPPlugin(DPPluginBase):
         finally:
             module.set_requires_gradient_sync(True)
 
+    @contextlib.contextmanager
+    def gathered(self, model: ModelWrapper) -> Iterator[None]:
+        # Every unit all-gathers once and stays unsharded: its forwards find it so and gather nothing. On exit
+        # the units reshard and take back the plugin's setting (the root's is False, as FSDP sets it itself).
+        from torch.distributed.fsdp import FSDPModule
+
+        root = model.unwrap()
+        units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        root.set_reshard_after_forward(False, recurse=True)
+        try:
+            for unit in units:
+                unit.unshard()
+            yield
+        finally:
+            for unit in units:
+                keep = unit is root or not self.config.reshard_after_forward
+                unit.set_reshard_after_forward(not keep, recurse=False)
+                unit.reshard()
+
 
 def _wrap_classes(policy: Any) -> tuple[str, ...]:
     """The class names an FSDP1 wrap policy wraps: ``ModuleWrapPolicy(classes)`` or
