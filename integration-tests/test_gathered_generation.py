@@ -1,12 +1,14 @@
 """Generation under sharded plugins: ``with booster.gathered(model): model.generate(...)`` on 2 gloo ranks gives
 the tokens of the same trained model in one process, greedy, and gathers each parameter once for the whole call
-where a plain ``generate`` gathers them again for every token.
+where a plain ``generate`` gathers them again for every token. Forwards inside issue no collective, so ranks may
+evaluate different numbers of batches there.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cai.mesh.testing import CollectiveCounter, run_distributed
 
@@ -69,6 +71,13 @@ def _generate(plugin: str) -> dict:
         got_plain = _greedy(model, _prompt())
     with CollectiveCounter() as held, booster.gathered(model):
         got = _greedy(model, _prompt())
+    uneven = None
+    if not hybrid:  # evaluation with uneven batches: no forward inside issues a collective, so no rank waits
+        with torch.no_grad(), booster.gathered(model):
+            with CollectiveCounter() as inside:
+                for _ in range(1 + dist.get_rank()):
+                    model(input_ids=ids)
+            uneven = len(inside.events)
     if plugin.startswith("gemini"):  # a training forward inside: its backward would release the held chunks
         with pytest.raises(RuntimeError, match="run training forwards outside it"), booster.gathered(model):
             model(input_ids=ids, labels=ids)
@@ -80,6 +89,7 @@ def _generate(plugin: str) -> dict:
         "same": torch.equal(got, want) and torch.equal(got_plain, want),
         "plain": count(plain),
         "held": count(held),
+        "uneven": uneven,
     }
 
 
@@ -89,6 +99,7 @@ def _generate(plugin: str) -> dict:
 def test_generate_inside_gathered_matches_one_process_and_gathers_once(plugin: str) -> None:
     for rank, r in enumerate(run_distributed(_generate, 2, plugin, timeout=180)):
         assert r["same"], f"rank {rank}: tokens differ from one process"
+        assert r["uneven"] == (None if plugin == "hybrid-tp2" else 0), (rank, r)
         if plugin.startswith(("fsdp", "gemini")):
             # a plain generate gathers once per forward (NEW of them); inside the context once for the call
             assert r["held"] > 0 and r["plain"] >= NEW * r["held"], (rank, r)
