@@ -266,6 +266,24 @@ def test_boosting_a_model_twice_is_refused() -> None:
         Booster(plugin=TorchDDPPlugin(), device="cpu").boost(TinyTransformer(seed=0), opt)
 
 
+def test_resizing_the_embeddings_after_boost_is_refused() -> None:
+    import io
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    raw = transformers.LlamaForCausalLM(config)
+    raw.resize_token_embeddings(80)  # before boost(): the plugin lays out the resized model
+    model, *_ = Booster(plugin=TorchDDPPlugin(), device="cpu").boost(raw, torch.optim.AdamW(raw.parameters()))
+    with pytest.raises(
+        ValueError, match=r"resize_token_embeddings after boost\(\): TorchDDPPlugin .*before boost"
+    ):
+        model.unwrap().resize_token_embeddings(96)
+    assert model.unwrap().get_input_embeddings().weight.shape[0] == 80
+    torch.save(model.unwrap(), io.BytesIO())  # the refusal does not stop the model from pickling
+
+
 def test_fsdp_cpu_offload_needs_cuda() -> None:
     with pytest.raises(
         ValueError, match=r"cpu_offload=True needs CUDA .*device is 'cpu'.*use cpu_offload=False"

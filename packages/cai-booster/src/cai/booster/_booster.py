@@ -142,6 +142,7 @@ class Booster:
         self.plugin.sync_replicas(model)
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, ctx)
         _BOOSTED[model] = self.plugin.name
+        _refuse_resize(self.plugin.name, model, boosted[0].unwrap())
         return boosted
 
     # ---- training-step helpers ---------------------------------------------------------------------------
@@ -481,6 +482,32 @@ def _check_boosted(obj: Any, kind: type, method: str, what: str) -> None:
         raise TypeError(
             f"Booster.{method}: {what} is a {type(obj).__module__}.{type(obj).__name__}, not the {what} that "
             f"boost() returned; pass the boosted {what} (model, optimizer, *_ = booster.boost(model, optimizer))"
+        )
+
+
+def _refuse_resize(plugin: str, *modules: nn.Module) -> None:
+    """Resizing the embeddings of a boosted model would make new parameters that the plugin never saw: not in its
+    buckets, chunks or shards, not reduced over the ranks and not in the optimizer. So a Hugging Face model's
+    ``resize_token_embeddings`` raises after ``boost()`` (an attribute of this instance only)."""
+
+    for m in modules:
+        base = m.get_base_model() if hasattr(m, "get_base_model") else m
+        for target in {id(m): m, id(base): base}.values():
+            if callable(getattr(target, "resize_token_embeddings", None)):
+                target.resize_token_embeddings = _ResizeRefused(plugin)
+
+
+class _ResizeRefused:
+    """What ``resize_token_embeddings`` becomes at ``boost()`` (a class, so that the model still pickles)."""
+
+    def __init__(self, plugin: str) -> None:
+        self.plugin = plugin
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(
+            f"resize_token_embeddings after boost(): {self.plugin} has laid out, sharded and handed to the "
+            "optimizer the embeddings as they were, and new ones would not train; resize the model before boost() "
+            "(and build the optimizer after resizing)"
         )
 
 
