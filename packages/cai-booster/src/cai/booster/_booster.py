@@ -218,9 +218,9 @@ class Booster:
         and GeminiPlugin and TorchFSDPPlugin would otherwise all-gather every parameter for each of them. Every
         rank enters it (the gathers are collectives); the whole model must fit on the device. Forwards inside run
         without gradients and issue no collective of the plugin's, so ranks may run different numbers of them
-        (evaluation over uneven shards of a dataset). Plugins whose ranks hold whole parameters (DDP, LowLevelZero, HybridParallel's
-        tensor-parallel shards, which compute whole outputs) have nothing to gather; with ``pp_size > 1`` it
-        raises, since no rank holds the whole model.
+        (evaluation over uneven shards of a dataset). Plugins whose ranks hold whole parameters (DDP,
+        LowLevelZero, HybridParallel's tensor-parallel shards, which compute whole outputs) have nothing to
+        gather; with ``pp_size > 1`` it raises, since no rank holds the whole model.
         """
         _check_boosted(model, ModelWrapper, "gathered", "model")
         with self.plugin.gathered(model):
