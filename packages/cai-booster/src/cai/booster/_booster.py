@@ -19,6 +19,7 @@ from cai.booster._precision import MixedPrecision, mixed_precision_factory
 from cai.booster._state import LoadView
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
 from cai.booster.plugin import PLUGINS, AutoPlugin, BoostContext, Plugin, TorchDDPPlugin
+from cai.mesh import debug_checks_on
 
 __all__ = ["Booster"]
 
@@ -143,7 +144,29 @@ class Booster:
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, ctx)
         _BOOSTED[model] = self.plugin.name
         _refuse_resize(self.plugin.name, model, boosted[0].unwrap())
+        if ctx.pretrained is not None:
+            boosted[0]._cai_pretrained = ctx.pretrained
+            if debug_checks_on():  # the debug checks: the weights read into the shards are the checkpoint's
+                self.verify_weights(boosted[0])
         return boosted
+
+    def verify_weights(self, model: ModelWrapper, checkpoint: str | os.PathLike | None = None) -> None:
+        """Check that every rank's part of the boosted model equals the safetensors checkpoint ``checkpoint`` (a
+        Hugging Face directory; default: the one ``from_pretrained`` named inside ``LazyInitContext``), in the
+        dtype the plugin holds it. Raises ``ValueError`` on every rank naming the tensors that differ or are
+        missing, with the ranks holding them. Nothing is gathered: each rank reads the regions it holds. Runs
+        at ``boost()`` with the debug checks on (``CAI_DEBUG_COLLECTIVES=1``); call it yourself after loading
+        weights any other way, or before step 1 to check what training starts from."""
+        from cai.booster._verify import verify_against_checkpoint
+
+        _check_boosted(model, ModelWrapper, "verify_weights", "model")
+        path = checkpoint if checkpoint is not None else getattr(model, "_cai_pretrained", None)
+        if path is None:
+            raise ValueError(
+                "Booster.verify_weights: this model was not filled from a checkpoint at boost() (no "
+                "from_pretrained inside LazyInitContext); pass checkpoint=<safetensors directory>"
+            )
+        verify_against_checkpoint(self.plugin.model_state(model), path)  # every rank of the job takes part
 
     # ---- training-step helpers ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:

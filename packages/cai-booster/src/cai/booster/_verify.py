@@ -1,0 +1,65 @@
+"""Checking a boosted model against the safetensors checkpoint it was filled from (``Booster.verify_weights``).
+
+Each rank reads, for every piece of the model state it holds, the same region of the checkpoint (a safetensors
+slice, as the loader does) and compares the two in the piece's own dtype: a bf16 checkpoint against fp32 master
+weights compares exactly, since the cast is exact, and an fp32 checkpoint against bf16 working weights compares
+after the one rounding the load did. Nothing is gathered; the ranks exchange only the names that differ.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cai.booster._pretrained import safetensors_reader
+
+__all__ = ["verify_against_checkpoint"]
+
+_SHOWN = 8  # names listed in the error
+
+
+def verify_against_checkpoint(
+    state: Any, path: str | os.PathLike, group: dist.ProcessGroup | None = None
+) -> int:
+    """Compare ``state``'s pieces (the state protocol's ``sharded_state_dict``) with the checkpoint directory
+    ``path`` on every rank; returns how many pieces this rank compared, or raises ``ValueError`` on every rank
+    naming the tensors that differ or are missing there (and the ranks that hold them)."""
+    read = safetensors_reader(str(path))
+    bad: list[str] = []
+    compared = 0
+    seen: set[tuple] = (
+        set()
+    )  # the memory of pieces already read: a tied weight is listed under each of its names
+    for name, entry in state.sharded_state_dict().items():
+        for piece in entry if isinstance(entry, list) else [entry]:
+            mine = piece.tensor.detach()
+            where = (mine.device, mine.data_ptr(), mine.shape, mine.stride(), str(piece.spec))
+            try:
+                want = read(name, piece.spec, mine.dtype)
+            except KeyError:
+                if where not in seen:  # a checkpoint stores a tied weight once, under one of its names
+                    bad.append(f"{name} (not in the checkpoint)")
+                continue
+            except ValueError as e:  # a shape that differs
+                bad.append(f"{name} ({e})")
+                continue
+            compared += 1
+            seen.add(where)
+            if not torch.equal(want.reshape(mine.shape), mine.cpu()):
+                worst = (want.reshape(mine.shape).float() - mine.cpu().float()).abs().max().item()
+                bad.append(f"{name} (max abs difference {worst:.3g})")
+    everyone = [bad]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, bad, group=group)
+    found = [f"rank {r}: {what}" for r, names in enumerate(everyone) for what in names]
+    if found:
+        more = f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+        raise ValueError(
+            f"verify_weights: {len(found)} piece(s) of the boosted model differ from the checkpoint {str(path)!r}: "
+            f"{'; '.join(found[:_SHOWN])}{more}"
+        )
+    return compared
