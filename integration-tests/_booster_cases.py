@@ -1,6 +1,9 @@
-"""What the Booster integration tests share: the tiny Llama, the plugins by name, full parameters from shards."""
+"""What the Booster integration tests share: the tiny Llama, the plugins by name, full parameters from shards, a
+directory every rank writes into."""
 
 from __future__ import annotations
+
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -154,3 +157,10 @@ def grad_pieces(plugin: str, model, optimizer) -> dict[str, tuple[torch.Tensor, 
                 spec = ShardSpec(global_shape=s.shape, flat_range=(a - s.offset, z - s.offset))
                 out[s.name] = (b.grad_shard[a - lo : z - lo], spec)
     return out
+
+
+def shared_tmpdir(root: str) -> str:
+    """A new directory under ``root``, made by rank 0 and named to every rank."""
+    obj = [tempfile.mkdtemp(dir=root) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]

@@ -8,8 +8,6 @@ run that saved and kept going.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -21,7 +19,14 @@ from cai.mesh.testing import assert_close, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-from _booster_cases import PLUGINS, VOCAB, gathered_params, make_plugin, tiny_llama  # noqa: E402
+from _booster_cases import (  # noqa: E402
+    PLUGINS,
+    VOCAB,
+    gathered_params,
+    make_plugin,
+    shared_tmpdir,
+    tiny_llama,
+)
 
 SEQ = 12
 GLOBAL_BATCH = 4
@@ -54,20 +59,6 @@ def train_step(booster, model, opt, ids: torch.Tensor) -> float:
     total = loss.detach().clone()
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
-
-
-@pytest.fixture(scope="module")
-def root():
-    """The directory under which the module's checkpoints go, removed after its tests."""
-    path = tempfile.mkdtemp(prefix="cai-booster-ckpt-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def shared_tmpdir(root: str) -> str:
-    obj = [tempfile.mkdtemp(dir=root) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(obj, src=0)
-    return obj[0]
 
 
 def save_run(name: str, root: str) -> dict:

@@ -7,8 +7,6 @@ runs the check itself.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from unittest import mock
 
 import pytest
@@ -19,25 +17,12 @@ from cai.mesh.testing import run_distributed
 
 pytest.importorskip("transformers")
 
-from _booster_cases import PLUGINS, hybrid_llama, make_plugin
+from _booster_cases import PLUGINS, hybrid_llama, make_plugin, shared_tmpdir
 
 LAYOUTS = {
     "hybrid-tp2": dict(tp_size=2, pp_size=1),
     "hybrid-pp2": dict(tp_size=1, pp_size=2, num_microbatches=1),
 }
-
-
-@pytest.fixture(scope="module")
-def root():
-    path = tempfile.mkdtemp(prefix="cai-verify-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _shared_tmpdir(root: str) -> str:
-    obj = [tempfile.mkdtemp(dir=root) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(obj, src=0)
-    return obj[0]
 
 
 def _verify(plugin: str, root: str) -> dict:
@@ -47,7 +32,7 @@ def _verify(plugin: str, root: str) -> dict:
     from cai.booster import Booster, LazyInitContext
     from cai.booster.plugin import HybridParallelPlugin
 
-    path = _shared_tmpdir(root)
+    path = shared_tmpdir(root)
     pretrained, partial = os.path.join(path, "pretrained"), os.path.join(path, "partial")
     if dist.get_rank() == 0:
         hybrid_llama(tied=True, layers=2).save_pretrained(pretrained)

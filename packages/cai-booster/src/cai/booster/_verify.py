@@ -48,8 +48,9 @@ def verify_against_checkpoint(
                 continue
             compared += 1
             seen.add(where)
-            if not torch.equal(want.reshape(mine.shape), mine.cpu()):
-                worst = (want.reshape(mine.shape).float() - mine.cpu().float()).abs().max().item()
+            want, got = want.reshape(mine.shape), mine.cpu()
+            if not torch.equal(want, got):
+                worst = (want.float() - got.float()).abs().max().item()
                 bad.append(f"{name} (max abs difference {worst:.3g})")
     everyone = [bad]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
