@@ -310,11 +310,10 @@ class Run:
             steps += 1
             tokens += batch["input_ids"].numel()
             if self.step % args.log_every == 0 or self.step == until:
-                # One all-reduce per log line: the bar shows the mean loss over ranks since the last line (the
-                # ranks of one replica hold the same loss, so this is the mean over replicas, each replica's
-                # loss its part of the global token mean: their mean is that mean).
-                dist.all_reduce(loss_sum)
-                last_loss = float(loss_sum) / (steps * self.world)
+                # One all-reduce per log line: the mean over the replicas of the losses since the last line,
+                # each replica's loss its part of the global token mean, so their mean is that mean, alike on
+                # every rank.
+                last_loss = float(self.booster.mean_loss(loss_sum)) / steps
                 synchronize(device)
                 seconds = time.perf_counter() - t0
                 # A replica of world / dp ranks shares its batch's work: this device's part is dp / world of it.

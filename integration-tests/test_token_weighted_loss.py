@@ -1,6 +1,6 @@
 """Token-weighted loss through ``Booster.num_items_in_batch``: on 2 gloo ranks, 2 accumulated micro-batches each,
-with padding that differs between sequences, micro-batches and ranks, the step's gradients, the logged loss (its
-mean over the data-parallel ranks) and the trained parameters equal those of one process whose loss is the mean
+with padding that differs between sequences, micro-batches and ranks, the step's gradients, the logged loss
+(``Booster.mean_loss``: the mean over the data-parallel ranks, equal on every rank) and the trained parameters equal those of one process whose loss is the mean
 over every target token of the global batch. Pipelines (pp 2 on 2 ranks, pp 2 x dp 2 on 4) take the count in the
 batch and split it into the 2 micro-batches themselves.
 
@@ -120,10 +120,14 @@ def boosted(plugin: str, weighted: bool) -> bool:
                     out = model(**mb, num_items_in_batch=n) if weighted else model(**mb)
                     booster.backward(out.loss if weighted else out.loss / len(micro), opt)
                 loss += out.loss.detach() if weighted else out.loss.detach() / len(micro)
-        # each rank's loss is its part of the step's token mean: their mean over the dp ranks is the whole mean
-        dist.all_reduce(loss, group=booster.plugin.dp_group)
+        # each rank's loss is its part of the step's token mean: their mean over the dp ranks is the whole mean,
+        # logged alike on every rank (tensor-, sequence- and pipeline-parallel ranks included)
+        logged = booster.mean_loss(loss)
+        every = [torch.zeros(()) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, logged)
+        assert all(torch.equal(x, logged) for x in every), f"step {step}: logged losses differ: {every}"
         if weighted:
-            got = torch.tensor(loss.item() / world, dtype=torch.float64)
+            got = logged.double()
             want = torch.tensor(want_losses[step], dtype=torch.float64)
             assert_close(got, want, rtol=1e-5, name=f"step {step} loss")
         if (
@@ -165,3 +169,16 @@ def test_counts_labels_shift_labels_and_tensors() -> None:
         booster.num_items_in_batch([{"input_ids": labels}])
     with pytest.raises(TypeError, match="a micro-batch is a list"):
         booster.num_items_in_batch([[1, 2]])
+
+
+def test_mean_loss_outside_a_process_group_is_a_detached_fp32_copy() -> None:
+    from cai.booster import Booster
+
+    booster = Booster(device="cpu")
+    loss = torch.tensor(2.5, dtype=torch.bfloat16, requires_grad=True)
+    got = booster.mean_loss(loss)
+    assert got.dtype == torch.float32 and not got.requires_grad and got.item() == 2.5
+    got += 1  # a copy: the caller's loss is untouched
+    assert loss.item() == 2.5
+    with pytest.raises(ValueError, match="one-element loss tensor, got \\(2,\\)"):
+        booster.mean_loss(torch.ones(2))

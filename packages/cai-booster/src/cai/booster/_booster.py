@@ -212,6 +212,28 @@ class Booster:
         # gradients are averaged over the data-parallel ranks, so each rank divides by its share of the count
         return (count.clamp_min(1) / self.plugin.dp_size).float()
 
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over the data-parallel ranks of ``loss`` (this rank's loss, or a sum of its losses over several
+        steps), detached, in fp32: the same value on every rank, for logging. One all-reduce of a scalar.
+
+        With the count from ``num_items_in_batch`` each rank's loss is its part of the step's mean over every
+        target token, and this is that mean, the loss one process would compute on the whole batch. Without it,
+        it is the mean of the ranks' own means. Under a pipeline pass the loss ``execute_pipeline`` returned (every
+        stage has it); the ranks of one tensor- or sequence-parallel group hold the same loss already. Call it on
+        every rank.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                f"Booster.mean_loss: expected a one-element loss tensor, got "
+                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+            )
+        mean = loss.detach().float().reshape(()).to(self.device, copy=True)
+        group = self.plugin.dp_group
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(mean, group=group)  # a sum: gloo has no average
+            mean /= dist.get_world_size(group)
+        return mean
+
     @contextlib.contextmanager
     def no_sync(
         self, model: ModelWrapper | None = None, optimizer: OptimizerWrapper | None = None
