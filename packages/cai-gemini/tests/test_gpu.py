@@ -97,9 +97,9 @@ def test_generation_inside_gathered_matches_and_keeps_the_unsharded_speed() -> N
 
     dev = torch.device("cuda", torch.cuda.current_device())
     config = transformers.LlamaConfig(
-        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+        vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=256,
-    )  # fmt: skip
+    )  # fmt: skip  # about 130M parameters: each plain forward copies 0.26 GB from the host
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     gm = GeminiModel(
@@ -108,18 +108,24 @@ def test_generation_inside_gathered_matches_and_keeps_the_unsharded_speed() -> N
         device=dev,
     )
     base = base.to(dev)
-    prompt = torch.randint(0, 4096, (4, 16), device=dev, generator=torch.Generator(dev).manual_seed(1))
+    prompt = torch.randint(
+        0, config.vocab_size, (4, 16), device=dev, generator=torch.Generator(dev).manual_seed(1)
+    )
 
     def rate(model, context) -> tuple[torch.Tensor, float]:
+        # The best of three full-length runs: the first run of the process pays one-time costs that would
+        # otherwise land on whichever model is measured first.
+        best = 0.0
         with context():
-            model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = model.generate(
-                prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0
-            )
-            torch.cuda.synchronize()
-        return out, out[:, 16:].numel() / (time.perf_counter() - start)
+            for _ in range(3):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = model.generate(
+                    prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0
+                )
+                torch.cuda.synchronize()
+                best = max(best, out[:, 16:].numel() / (time.perf_counter() - start))
+        return out, best
 
     want, want_rate = rate(base, contextlib.nullcontext)
     gathers = gm.chunk_manager.gathers
@@ -130,6 +136,7 @@ def test_generation_inside_gathered_matches_and_keeps_the_unsharded_speed() -> N
         f"generate tok/s: unsharded {want_rate:.0f}, gathered {got_rate:.0f}, plain Gemini {plain_rate:.0f}"
     )
     assert torch.equal(got, want)
-    assert held == len(gm.chunks)  # once per chunk for both generate calls inside the context
+    assert held == len(gm.chunks)  # once per chunk for all the generate calls inside the context
     assert got_rate >= 0.5 * want_rate, (got_rate, want_rate)
+    assert got_rate > plain_rate, (got_rate, plain_rate)
     assert all(not c.gathered for c in gm.chunks if not c.keep_gathered)  # released on exit
