@@ -326,3 +326,36 @@ assert pretrained_path(model) == {str(tmp_path)!r}
 assert all(p.is_meta for p in model.parameters())
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+
+
+def test_a_checkpoint_that_does_not_match_the_model_fails_at_boost_naming_the_tensors(tmp_path) -> None:
+    # A 2-layer config over a 3-layer checkpoint would load all but the last layer, silently; one without a tensor
+    # the model reads fails before any plugin work; both lists are in one message.
+    torch.manual_seed(0)
+    deep = _llama()
+    deep.config.num_hidden_layers = 3
+    transformers.LlamaForCausalLM(deep.config).save_pretrained(tmp_path / "deep")
+    with LazyInitContext():
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "deep", num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"9 in it that the model has no place for \(model\.layers\.2\."):
+        Booster(device="cpu").boost(model)
+
+    state = _llama().state_dict()
+    del state["model.norm.weight"]
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # older checkpoints have these: skipped
+    (tmp_path / "partial").mkdir()
+    save_file(state, tmp_path / "partial" / "model.safetensors")
+    _llama().config.save_pretrained(tmp_path / "partial")
+    with LazyInitContext():
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "partial")
+    with pytest.raises(ValueError, match=r"1 missing from it \(model\.norm\.weight\)\. Build") as e:
+        Booster(device="cpu").boost(model)
+    assert "no place for" not in str(e.value)
+
+    # leaving the extra layer out on purpose, the Hugging Face way
+    with LazyInitContext():
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "deep", num_hidden_layers=2)
+    model._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\."]
+    boosted, *_ = Booster(device="cpu").boost(model)
+    eager = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "deep", num_hidden_layers=2)
+    assert_close(boosted.unwrap().state_dict(), eager.state_dict(), rtol=0, atol=0, name="first two layers")

@@ -16,6 +16,7 @@ from torch import nn
 
 from cai.booster._lazy import is_lazy, pretrained_path
 from cai.booster._precision import MixedPrecision, mixed_precision_factory
+from cai.booster._pretrained import check_checkpoint_keys
 from cai.booster._state import LoadView
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
 from cai.booster.plugin import PLUGINS, AutoPlugin, BoostContext, Plugin, TorchDDPPlugin
@@ -140,6 +141,8 @@ class Booster:
             mixed_precision=self.mixed_precision,
             pretrained=pretrained_path(model) if is_lazy(model) else None,
         )
+        if ctx.pretrained is not None:
+            check_checkpoint_keys(model, ctx.pretrained)  # before any work: every rank sees the same files
         self.plugin.sync_replicas(model)
         boosted = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, ctx)
         _BOOSTED[model] = self.plugin.name

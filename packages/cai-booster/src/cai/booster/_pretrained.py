@@ -10,15 +10,17 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from cai.booster._state import named_tensors
 from cai.mesh import ShardSpec
 
-__all__ = ["build_from_pretrained", "load_pretrained_into", "safetensors_reader"]
+__all__ = ["build_from_pretrained", "check_checkpoint_keys", "load_pretrained_into", "safetensors_reader"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -57,6 +59,42 @@ def safetensors_reader(path: str) -> Callable[[str, ShardSpec, torch.dtype], tor
         return spec.cut_region(region).to(dtype)
 
     return read
+
+
+def check_checkpoint_keys(model: nn.Module, path: str) -> None:
+    """Raise ``ValueError`` naming the tensors ``model`` (whole, before any plugin cut it) reads that the checkpoint
+    lacks, and the checkpoint's tensors that the model has no place for: a checkpoint of another depth or head
+    than the config says would otherwise load in part, silently. Keys that Hugging Face skips on load are skipped
+    here too (the model's ``_keys_to_ignore_on_load_unexpected`` patterns, and the ``rotary_emb.inv_freq`` and
+    ``position_ids`` buffers of older checkpoints)."""
+    stored = set(_weight_map(path))
+    wanted = named_tensors(model)  # what the loaders read: tied weights once, persistent buffers
+    missing = sorted(set(wanted) - stored)
+    unexpected = sorted(stored - set(model.state_dict(keep_vars=True)))  # tied weights under every name
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [b for b, _ in model.named_buffers()]
+    if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(b.endswith("position_ids") for b in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    if patterns:
+        skip = re.compile("|".join(f"({p})" for p in sorted(patterns)))
+        unexpected = [k for k in unexpected if skip.search(k) is None]
+    if not missing and not unexpected:
+        return
+
+    def listed(keys: list[str]) -> str:
+        return ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+    found = [f"{len(missing)} missing from it ({listed(missing)})"] if missing else []
+    if unexpected:
+        found.append(f"{len(unexpected)} in it that the model has no place for ({listed(unexpected)})")
+    raise ValueError(
+        f"the checkpoint {path!r} does not match {type(model).__name__}: {len(wanted)} tensors to read, "
+        f"{'; '.join(found)}. Build the model with the checkpoint's own config. To leave checkpoint tensors out "
+        "on purpose, add patterns that match them to the model's _keys_to_ignore_on_load_unexpected; a model "
+        "with tensors of its own (a new head) is built with from_pretrained outside LazyInitContext"
+    )
 
 
 def load_pretrained_into(state: object, path: str) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from cai.mesh import LocalShard, ShardSpec, load_param_groups_state, param_groups_state
 
-__all__ = ["ModuleState", "OptimizerState", "local_tensor", "param_spec"]
+__all__ = ["ModuleState", "OptimizerState", "local_tensor", "named_tensors", "param_spec"]
 
 Read = Callable[[str, ShardSpec, torch.dtype], torch.Tensor]
 
@@ -51,7 +51,7 @@ def param_spec(t: torch.Tensor) -> ShardSpec:
     )
 
 
-def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     # named_parameters drops the second name of a tied parameter, so tied weights are stored once.
     out: dict[str, torch.Tensor] = dict(module.named_parameters())
     for mod_name, mod in module.named_modules():
@@ -69,17 +69,17 @@ class ModuleState:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Parameters (tied ones once) and persistent buffers, by name."""
-        return _named_tensors(self.module)
+        return named_tensors(self.module)
 
     def sharded_state_dict(self) -> dict[str, LocalShard]:
         return {
             name: LocalShard(local_tensor(t).detach(), param_spec(t))
-            for name, t in _named_tensors(self.module).items()
+            for name, t in named_tensors(self.module).items()
         }
 
     def load_sharded_state_dict(self, read: Read) -> None:
         with torch.no_grad():
-            for name, t in _named_tensors(self.module).items():
+            for name, t in named_tensors(self.module).items():
                 local = local_tensor(t)
                 local.copy_(read(name, param_spec(t), local.dtype).to(local.device))
 
