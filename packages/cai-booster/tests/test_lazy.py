@@ -342,7 +342,9 @@ def test_a_checkpoint_that_does_not_match_the_model_fails_at_boost_naming_the_te
 
     state = _llama().state_dict()
     del state["model.norm.weight"]
-    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # older checkpoints have these: skipped
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(
+        4
+    )  # older checkpoints have these: skipped
     (tmp_path / "partial").mkdir()
     save_file(state, tmp_path / "partial" / "model.safetensors")
     _llama().config.save_pretrained(tmp_path / "partial")
