@@ -1,7 +1,7 @@
 """Token-weighted loss through ``Booster.num_items_in_batch``: on 2 gloo ranks, 2 accumulated micro-batches each,
 with padding that differs between sequences, micro-batches and ranks, the step's gradients, the logged loss
-(``Booster.mean_loss``: the mean over the data-parallel ranks, equal on every rank) and the trained parameters equal those of one process whose loss is the mean
-over every target token of the global batch. Pipelines (pp 2 on 2 ranks, pp 2 x dp 2 on 4) take the count in the
+(``Booster.mean_loss``: the mean over the data-parallel ranks, equal on every rank) and the trained parameters
+equal those of one process whose loss is the mean over every target token of the global batch. Pipelines (pp 2 on 2 ranks, pp 2 x dp 2 on 4) take the count in the
 batch and split it into the 2 micro-batches themselves.
 
 Without the count (each micro-batch's own mean, averaged) the same steps differ from that reference: the last test

@@ -342,9 +342,8 @@ def test_a_checkpoint_that_does_not_match_the_model_fails_at_boost_naming_the_te
 
     state = _llama().state_dict()
     del state["model.norm.weight"]
-    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(
-        4
-    )  # older checkpoints have these: skipped
+    # older checkpoints hold the rotary frequencies of every layer: skipped, as Hugging Face skips them
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
     (tmp_path / "partial").mkdir()
     save_file(state, tmp_path / "partial" / "model.safetensors")
     _llama().config.save_pretrained(tmp_path / "partial")

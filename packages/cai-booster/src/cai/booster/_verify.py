@@ -30,9 +30,8 @@ def verify_against_checkpoint(
     read = safetensors_reader(str(path))
     bad: list[str] = []
     compared = 0
-    seen: set[tuple] = (
-        set()
-    )  # the memory of pieces already read: a tied weight is listed under each of its names
+    # the memory of pieces already read: a tied weight is listed under each of its names
+    seen: set[tuple] = set()
     for name, entry in state.sharded_state_dict().items():
         for piece in entry if isinstance(entry, list) else [entry]:
             mine = piece.tensor.detach()
