@@ -229,7 +229,7 @@ def _packed_checks(_: int) -> dict:
     config = _tiny_llama_config()
     from transformers import LlamaForCausalLM
 
-    from cai.booster import _wrappers
+    from cai.kernels import _forward
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -237,14 +237,14 @@ def _packed_checks(_: int) -> dict:
     reference.load_state_dict(model.state_dict())
     booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"), device="cpu")
     model, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
-    original = _wrappers._packed_check_original
+    original = _forward._packed_check_original
     calls = []
 
     def counted(position_ids):
         calls.append(position_ids.shape)
         return original(position_ids)
 
-    _wrappers._packed_check_original = counted
+    _forward._packed_check_original = counted
     try:
         ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
         packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)  # two sequences packed in each row
@@ -263,7 +263,7 @@ def _packed_checks(_: int) -> dict:
                 input_ids=ids, labels=ids, position_ids=packed, use_cache=False
             ).loss.item()
     finally:
-        _wrappers._packed_check_original = original
+        _forward._packed_check_original = original
     return out
 
 

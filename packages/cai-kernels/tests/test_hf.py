@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cai.kernels import FusedLMHead, RMSNorm, SwiGLUMLP, patch_hf_model  # noqa: E402
+from cai.kernels import FusedLMHead, RMSNorm, SwiGLUMLP, patch_hf_model, trim_training_forward  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +112,7 @@ def test_num_items_in_batch_and_no_labels(impl, restore_rope):
     model = patch_hf_model(
         patch_hf_model(copy.deepcopy(ref), rope=False), rope=False
     )  # patching twice is a no-op
-    assert len(model._forward_pre_hooks) == 1
+    assert len(model._forward_pre_hooks) == 2  # the loss's and the training forward's
     ids = torch.randint(0, 61, (2, 7))
     want = ref(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(20)).loss
     got = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(20)).loss
@@ -123,7 +123,55 @@ def test_num_items_in_batch_and_no_labels(impl, restore_rope):
 
 def test_flags_leave_parts_alone(restore_rope):
     model = patch_hf_model(build(Case(arch="llama", tie=False)), rms_norm=False, swiglu=False, rope=False,
-                           fused_loss=False)  # fmt: skip
+                           fused_loss=False, training_forward=False)  # fmt: skip
+    assert not hasattr(model, "_cai_trimmed_forward") and not model._forward_pre_hooks
     assert type(model.model.norm).__name__ == "LlamaRMSNorm"
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
     assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_training_forward_builds_no_cache_and_tests_only_positions_it_was_given(monkeypatch, restore_rope):
+    # [Note: packed-sequence check] A training forward gets use_cache=False unless the caller asks, and without
+    # positions, mask or cache it answers transformers' packed-sequence test itself (that test reads the device from
+    # the host); positions the caller passes, and evaluation, are tested as before, and the losses are unchanged.
+    from cai.kernels import _forward
+
+    torch.manual_seed(2)
+    ref = build(Case(arch="llama", tie=False)).double()
+    model = patch_hf_model(copy.deepcopy(ref))
+    ids = torch.randint(0, 61, (2, 8))
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)  # two sequences packed in each row
+    with torch.no_grad():
+        # Without a cache (as the trimmed forward runs) transformers masks packed sequences apart; with one it does not.
+        want_own = ref(input_ids=ids, labels=ids, use_cache=False).loss
+        want_packed = ref(input_ids=ids, labels=ids, position_ids=packed, use_cache=False).loss
+    assert (want_own - want_packed).abs() > 1e-3  # the packed positions change the loss
+
+    calls = []
+    original = _forward._packed_check_original
+
+    def counted(position_ids):
+        calls.append(position_ids.shape)
+        return original(position_ids)
+
+    monkeypatch.setattr(_forward, "_packed_check_original", counted)
+    own = model(input_ids=ids, labels=ids)
+    assert own.past_key_values is None and not calls
+    torch.testing.assert_close(own.loss, want_own, rtol=1e-6, atol=0)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids, position_ids=packed).loss, want_packed,
+                               rtol=1e-6, atol=0)  # fmt: skip
+    assert len(calls) == 1
+    assert model(input_ids=ids, labels=ids, use_cache=True).past_key_values is not None  # asked for: kept
+    with pytest.raises(IndexError):  # a forward that raises leaves nothing behind
+        model(input_ids=ids + 61)
+    assert model._cai_position_tokens == [] and not _forward._OWN_POSITIONS.get()
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=ids).past_key_values is not None  # evaluation keeps its cache
+        torch.testing.assert_close(model(input_ids=ids, labels=ids, use_cache=False).loss, want_own,
+                                   rtol=1e-6, atol=0)  # fmt: skip
+    assert (
+        len(calls) == 2
+    )  # only the uncached evaluation tested its positions (with a cache there is no test)
+    assert trim_training_forward(model) and len(model._forward_pre_hooks) == 2  # installing again: a no-op
+    assert not trim_training_forward(torch.nn.Linear(2, 2))

@@ -4,8 +4,6 @@ the Colossal-AI methods (``backward``, ``clip_grad_by_norm``, ...) and optional 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import inspect
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cai.booster._precision import DynamicLossScaler, grads_have_inf
+from cai.kernels import trim_training_forward
 from cai.mesh import advance_step
 
 __all__ = ["ModelWrapper", "OptimizerWrapper"]
@@ -29,27 +28,10 @@ class ModelWrapper(nn.Module):
         self.module = module
         # Stored outside _modules so that the user's module is not registered twice.
         object.__setattr__(self, "_cai_unwrapped", unwrapped if unwrapped is not None else module)
-        self._cai_no_train_cache = _takes_use_cache(self.unwrap())
-        self._cai_numbers_tokens = _numbers_tokens(self.unwrap()) and _install_packed_check()
+        # No KV cache in training forwards and no host test for packed sequences ([Note: packed-sequence check]).
+        trim_training_forward(self.unwrap())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        training = self._cai_unwrapped.training
-        # A Hugging Face model builds a KV cache whenever config.use_cache is on (the default), in training too:
-        # every layer's keys and values copied into it (two copy kernels a layer) and held for as long as the
-        # outputs live, past backward. Training forwards skip it unless the caller asks for a cache.
-        if training and self._cai_no_train_cache and not {"use_cache", "past_key_values"} & kwargs.keys():
-            kwargs["use_cache"] = False
-        if (
-            training
-            and self._cai_numbers_tokens
-            and len(args) <= 1  # input_ids alone; a second positional argument is an attention mask
-            and all(kwargs.get(k) is None for k in _POSITION_INPUTS)
-        ):
-            token = _GENERATED_POSITIONS.set(True)
-            try:
-                return self.module(*args, **kwargs)
-            finally:
-                _GENERATED_POSITIONS.reset(token)
         return self.module(*args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -65,59 +47,6 @@ class ModelWrapper(nn.Module):
         if unwrap_peft and hasattr(module, "get_base_model") and type(module).__name__.startswith("Peft"):
             return module.get_base_model()
         return module
-
-
-# [Note: packed-sequence check]
-# Without an attention mask or a cache, transformers' causal-mask builder looks for packed sequences in the position
-# ids (`find_packed_sequence_indices`: positions that do not step by one) and tests the answer on the host, which
-# waits for the device at the start of every training forward; the device then idles while the host issues the
-# first kernels of the next forward. When the caller passes no positions, mask or cache, the models below number
-# the tokens 0..T-1 themselves, so there is nothing packed to find: during such a forward the check answers
-# "none" (what it would have computed) without reading the device. Positions the caller passes are checked as before.
-_ARANGE_POSITION_MODELS = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3",
-     "olmo2", "granite"}
-)  # fmt: skip
-_POSITION_INPUTS = ("attention_mask", "position_ids", "past_key_values", "cache_position")
-_GENERATED_POSITIONS = contextvars.ContextVar("cai_generated_positions", default=False)
-# transformers' own check, called whenever the positions are not the model's own
-_packed_check_original = None
-
-
-def _numbers_tokens(module: nn.Module) -> bool:
-    return getattr(getattr(module, "config", None), "model_type", None) in _ARANGE_POSITION_MODELS
-
-
-def _find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
-    if _GENERATED_POSITIONS.get():
-        return None
-    return _packed_check_original(position_ids)
-
-
-def _install_packed_check() -> bool:
-    """Route transformers' packed-sequence check through ``_find_packed_sequence_indices`` (once per process)."""
-    global _packed_check_original
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        return False
-    current = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if current is None:
-        return False
-    if current is not _find_packed_sequence_indices:
-        _packed_check_original = current
-        masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
-    return True
-
-
-def _takes_use_cache(module: nn.Module) -> bool:
-    """Whether ``module`` is a model with a ``config.use_cache`` whose forward takes ``use_cache``."""
-    if getattr(getattr(module, "config", None), "use_cache", None) is None:
-        return False
-    try:
-        return "use_cache" in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class OptimizerWrapper:

@@ -10,6 +10,7 @@ Every kernel function picks the Triton kernel for CUDA tensors and a pure-torch 
 from importlib.metadata import version as _version
 
 from cai.kernels._dispatch import kernel_report, use_triton
+from cai.kernels._forward import trim_training_forward
 from cai.kernels._fp8 import (
     Fp8Linear,
     convert_to_fp8,
@@ -61,6 +62,7 @@ __all__ = [
     "rms_norm",
     "swiglu",
     "swiglu_packed",
+    "trim_training_forward",
     "unpermute_tokens",
     "use_triton",
 ]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cai.kernels._forward import trim_training_forward
 from cai.kernels._fused_ce import fused_linear_cross_entropy
 from cai.kernels._norm import RMSNorm
 from cai.kernels._projections import share_input
@@ -206,6 +207,7 @@ def patch_hf_model(
     fused_loss: bool = True,
     shared_qkv: bool = True,
     fused_residual: bool = True,
+    training_forward: bool = True,
 ) -> nn.Module:
     """Use cai kernels in a Hugging Face Llama-family model (Llama, Mistral, Qwen2/3), in place.
 
@@ -231,6 +233,9 @@ def patch_hf_model(
     - `fused_residual`: every decoder layer of the pre-norm form (Llama, Mistral, Qwen2/3 and the like) whose two
       norms are now cai's gets a `forward` instance attribute that does its first residual add, and the gradient
       adds of both, inside the norm kernels ([Note: residual adds in the norms]); the layer keeps its class.
+    - `training_forward`: :func:`cai.kernels.trim_training_forward`: training forwards build no KV cache unless
+      asked for one, and skip transformers' host test for packed sequences when the model numbers the tokens
+      itself ([Note: packed-sequence check]).
 
     State dict keys are unchanged. Returns `model`.
 
@@ -244,9 +249,10 @@ def patch_hf_model(
     loss = _patch_loss(model) if fused_loss else False
     attentions = _patch_projections(model) if shared_qkv else 0
     layers = fuse_residuals(model) if fused_residual else 0
+    trimmed = trim_training_forward(model) if training_forward else False
     logger.info(
         "cai kernels: %d RMSNorm, %d MLP, rotary in %s, fused loss %s, %d shared q/k/v, %d layers with fused "
-        "residual adds",
-        norms, mlps, rope_modules, loss, attentions, layers,
+        "residual adds, trimmed training forward %s",
+        norms, mlps, rope_modules, loss, attentions, layers, trimmed,
     )  # fmt: skip
     return model
