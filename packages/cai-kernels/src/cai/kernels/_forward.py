@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -93,10 +94,8 @@ def _find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | 
 def _install_packed_check() -> bool:
     """Route transformers' packed-sequence check through ``_find_packed_sequence_indices`` (once per process)."""
     global _packed_check_original
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        return False
+    # Loaded by every modeling file that builds masks with it; cai-kernels does not import transformers itself.
+    masking_utils = sys.modules.get("transformers.masking_utils")
     current = getattr(masking_utils, "find_packed_sequence_indices", None)
     if current is None:
         return False
