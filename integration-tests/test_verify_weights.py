@@ -1,6 +1,7 @@
 """``Booster.verify_weights``: a model filled from a Hugging Face checkpoint at ``boost()`` (``from_pretrained``
 inside ``LazyInitContext``) equals it piece by piece under every layout on 2 gloo ranks; a piece changed on one
-rank is named on every rank, and so is a checkpoint that lacks a tensor; with the debug checks on, ``boost()``
+rank is named on every rank, and so are a checkpoint that lacks a tensor and one with a tensor that no rank holds
+(the keys Hugging Face skips on load aside); with the debug checks on, ``boost()``
 runs the check itself.
 """
 
@@ -34,6 +35,7 @@ def _verify(plugin: str, root: str) -> dict:
 
     path = shared_tmpdir(root)
     pretrained, partial = os.path.join(path, "pretrained"), os.path.join(path, "partial")
+    extra = os.path.join(path, "extra")
     if dist.get_rank() == 0:
         hybrid_llama(tied=True, layers=2).save_pretrained(pretrained)
         # the same checkpoint without one tensor
@@ -41,6 +43,14 @@ def _verify(plugin: str, root: str) -> dict:
         tensors = load_file(os.path.join(pretrained, "model.safetensors"))
         del tensors["model.layers.1.mlp.down_proj.weight"]
         save_file(tensors, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+        # ... and with a third layer's tensor and an old rotary buffer (which Hugging Face skips) beside them all
+        tensors = load_file(os.path.join(pretrained, "model.safetensors"))
+        tensors["model.layers.2.mlp.down_proj.weight"] = tensors[
+            "model.layers.1.mlp.down_proj.weight"
+        ].clone()
+        tensors["model.rotary_emb.inv_freq"] = torch.ones(4)
+        os.makedirs(extra)
+        save_file(tensors, os.path.join(extra, "model.safetensors"), metadata={"format": "pt"})
     dist.barrier()
 
     def boosted():
@@ -57,6 +67,9 @@ def _verify(plugin: str, root: str) -> dict:
     with pytest.raises(ValueError) as missing:
         booster.verify_weights(model, partial)
     out["missing"] = str(missing.value)
+    with pytest.raises(ValueError) as unexpected:
+        booster.verify_weights(model, extra)
+    out["unexpected"] = str(unexpected.value)
     # one rank's piece of one tensor moved
     state = booster.plugin.model_state(model).sharded_state_dict()
     # rank 1's first block tensor (the ranks may hold pieces of different tensors; the tied embedding has two names)
@@ -80,3 +93,7 @@ def test_verify_weights_finds_what_differs_from_the_checkpoint(plugin: str, root
         assert "model.layers.1.mlp.down_proj.weight (not in the checkpoint)" in r["missing"], r["missing"]
         assert f"rank 1: {r['name']} (max abs difference 0.5)" in r["changed"], r["changed"]
         assert "rank 0:" not in r["changed"], r["changed"]
+        assert r["unexpected"].endswith(
+            "1 tensor(s) in it that no rank holds: model.layers.2.mlp.down_proj.weight"
+        ), r["unexpected"]
+        assert "differ" not in r["unexpected"] and "tensor(s) in it" not in r["missing"]

@@ -157,7 +157,8 @@ class Booster:
         """Check that every rank's part of the boosted model equals the safetensors checkpoint ``checkpoint`` (a
         Hugging Face directory; default: the one ``from_pretrained`` named inside ``LazyInitContext``), in the
         dtype the plugin holds it. Raises ``ValueError`` on every rank naming the tensors that differ or are
-        missing, with the ranks holding them. Nothing is gathered: each rank reads the regions it holds. Runs
+        missing, with the ranks holding them, and the checkpoint's tensors that no rank holds (those Hugging Face
+        skips on load aside). Nothing is gathered: each rank reads the regions it holds. Runs
         at ``boost()`` with the debug checks on (``CAI_DEBUG_COLLECTIVES=1``); call it yourself after loading
         weights any other way, or before step 1 to check what training starts from."""
         from cai.booster._verify import verify_against_checkpoint
@@ -169,7 +170,8 @@ class Booster:
                 "Booster.verify_weights: this model was not filled from a checkpoint at boost() (no "
                 "from_pretrained inside LazyInitContext); pass checkpoint=<safetensors directory>"
             )
-        verify_against_checkpoint(self.plugin.model_state(model), path)  # every rank of the job takes part
+        # every rank of the job takes part
+        verify_against_checkpoint(self.plugin.model_state(model), path, model=model.unwrap())
 
     # ---- training-step helpers ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:

@@ -11,7 +11,7 @@ import copy
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -20,7 +20,13 @@ from torch import nn
 from cai.booster._state import named_tensors
 from cai.mesh import ShardSpec
 
-__all__ = ["build_from_pretrained", "check_checkpoint_keys", "load_pretrained_into", "safetensors_reader"]
+__all__ = [
+    "build_from_pretrained",
+    "check_checkpoint_keys",
+    "load_pretrained_into",
+    "safetensors_reader",
+    "unexpected_keys",
+]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -61,6 +67,20 @@ def safetensors_reader(path: str) -> Callable[[str, ShardSpec, torch.dtype], tor
     return read
 
 
+def unexpected_keys(model: nn.Module, keys: Iterable[str]) -> list[str]:
+    """``keys`` (checkpoint tensors ``model`` has no place for) without those Hugging Face skips on load: the
+    model's ``_keys_to_ignore_on_load_unexpected`` patterns, and the ``rotary_emb.inv_freq`` and ``position_ids``
+    buffers of older checkpoints. Sorted."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [b for b, _ in model.named_buffers()]
+    if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(b.endswith("position_ids") for b in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    skip = re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else None
+    return sorted(k for k in keys if skip is None or skip.search(k) is None)
+
+
 def check_checkpoint_keys(model: nn.Module, path: str) -> None:
     """Raise ``ValueError`` naming the tensors ``model`` (whole, before any plugin cut it) reads that the checkpoint
     lacks, and the checkpoint's tensors that the model has no place for: a checkpoint of another depth or head
@@ -70,16 +90,7 @@ def check_checkpoint_keys(model: nn.Module, path: str) -> None:
     stored = set(_weight_map(path))
     wanted = named_tensors(model)  # what the loaders read: tied weights once, persistent buffers
     missing = sorted(set(wanted) - stored)
-    unexpected = sorted(stored - set(model.state_dict(keep_vars=True)))  # tied weights under every name
-    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-    buffers = [b for b, _ in model.named_buffers()]
-    if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
-        patterns.add(r"rotary_emb\.inv_freq")
-    if any(b.endswith("position_ids") for b in buffers):
-        patterns.add(r"(^|\.)position_ids$")
-    if patterns:
-        skip = re.compile("|".join(f"({p})" for p in sorted(patterns)))
-        unexpected = [k for k in unexpected if skip.search(k) is None]
+    unexpected = unexpected_keys(model, stored - set(model.state_dict(keep_vars=True)))  # tied: every name
     if not missing and not unexpected:
         return
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from cai.booster._pretrained import safetensors_reader
+from cai.booster._pretrained import _weight_map, safetensors_reader, unexpected_keys
 
 __all__ = ["verify_against_checkpoint"]
 
@@ -22,17 +23,24 @@ _SHOWN = 8  # names listed in the error
 
 
 def verify_against_checkpoint(
-    state: Any, path: str | os.PathLike, group: dist.ProcessGroup | None = None
+    state: Any,
+    path: str | os.PathLike,
+    group: dist.ProcessGroup | None = None,
+    *,
+    model: nn.Module | None = None,
 ) -> int:
     """Compare ``state``'s pieces (the state protocol's ``sharded_state_dict``) with the checkpoint directory
     ``path`` on every rank; returns how many pieces this rank compared, or raises ``ValueError`` on every rank
-    naming the tensors that differ or are missing there (and the ranks that hold them)."""
+    naming the tensors that differ or are missing there (and the ranks that hold them), and the checkpoint's
+    tensors that no rank holds. ``model`` (the user's module) names the unexpected keys Hugging Face skips."""
     read = safetensors_reader(str(path))
     bad: list[str] = []
     compared = 0
     # the memory of pieces already read: a tied weight is listed under each of its names
     seen: set[tuple] = set()
-    for name, entry in state.sharded_state_dict().items():
+    pieces = state.sharded_state_dict()
+    not_here = sorted(set(_weight_map(str(path))) - set(pieces))  # held by another rank, or by none
+    for name, entry in pieces.items():
         for piece in entry if isinstance(entry, list) else [entry]:
             mine = piece.tensor.detach()
             where = (mine.device, mine.data_ptr(), mine.shape, mine.stride(), str(piece.spec))
@@ -51,15 +59,24 @@ def verify_against_checkpoint(
             if not torch.equal(want, got):
                 worst = (want.float() - got.float()).abs().max().item()
                 bad.append(f"{name} (max abs difference {worst:.3g})")
-    everyone = [bad]
+    everyone = [(bad, not_here)]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, bad, group=group)
-    found = [f"rank {r}: {what}" for r, names in enumerate(everyone) for what in names]
-    if found:
-        more = f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
-        raise ValueError(
-            f"verify_weights: {len(found)} piece(s) of the boosted model differ from the checkpoint {str(path)!r}: "
-            f"{'; '.join(found[:_SHOWN])}{more}"
-        )
+        dist.all_gather_object(everyone, (bad, not_here), group=group)
+    found = [f"rank {r}: {what}" for r, (names, _) in enumerate(everyone) for what in names]
+    nowhere = set.intersection(*(set(keys) for _, keys in everyone))
+    nowhere = unexpected_keys(model, nowhere) if model is not None else sorted(nowhere)
+    if found or nowhere:
+        parts = []
+        if found:
+            more = f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+            parts.append(
+                f"{len(found)} piece(s) of the boosted model differ from it: {'; '.join(found[:_SHOWN])}{more}"
+            )
+        if nowhere:
+            more = f" and {len(nowhere) - _SHOWN} more" if len(nowhere) > _SHOWN else ""
+            parts.append(
+                f"{len(nowhere)} tensor(s) in it that no rank holds: {', '.join(nowhere[:_SHOWN])}{more}"
+            )
+        raise ValueError(f"verify_weights: the checkpoint {str(path)!r} does not match: {'. '.join(parts)}")
     return compared
