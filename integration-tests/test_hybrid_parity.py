@@ -126,6 +126,13 @@ CASES = [Case(layout=lay, mode=m) for lay in LAYOUTS for m in MODES]
 CASES += [
     Case(layout=lay, mode="frozen") for lay in LAYOUTS if lay.name in ("pp2", "pp2xdp2-zero1", "tp2xpp2")
 ]
+# enable_all_optimization: cai-kernels' norms with the residual adds, SwiGLU, rotary, shared q/k/v input (and the
+# fused loss at tp 1) around each kind of parallel layer; the reference is the plain model.
+CASES += [
+    Case(layout=lay, mode="kernels")
+    for lay in LAYOUTS
+    if lay.name in ("tp2", "pp2", "tp2-sp-split_gather", "sp2-all_to_all", "sp2-ring_attn", "tp2xpp2")
+]
 
 
 def freeze(model: torch.nn.Module, mode: str) -> torch.nn.Module:
@@ -179,11 +186,14 @@ def boosted_run(case: Case, reference: tuple[list[float], dict[str, torch.Tensor
 
     ref_losses, ref_params = reference
     plugin = HybridParallelPlugin(precision="fp32", max_norm=MAX_NORM if case.mode == "clip" else 0.0,
+                                  enable_all_optimization=case.mode == "kernels",
                                   **case.layout.plugin_kwargs())  # fmt: skip
     booster = Booster(plugin=plugin, device="cpu")
     model = freeze(hybrid_llama(case.layout.tied), case.mode)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
     model, opt, *_ = booster.boost(model, opt)
+    if case.mode == "kernels":
+        check_kernels(model.unwrap(), plugin)
     dp, dp_rank = plugin.mesh.size("dp"), plugin.mesh.coordinate("dp")
     micro = 2 if case.mode == "accum" else 1
     losses = []
@@ -216,9 +226,24 @@ def boosted_run(case: Case, reference: tuple[list[float], dict[str, torch.Tensor
     return losses[-1]
 
 
+def check_kernels(model: torch.nn.Module, plugin) -> None:
+    """cai-kernels are in place on this rank's part of the model: every decoder layer has the fused-residual forward,
+    cai's norms and SwiGLU, the head is fused where it is not vocab-parallel, and rotary is cai's."""
+    from cai.kernels import FusedLMHead, RMSNorm, SwiGLUMLP
+    from cai.kernels._residual import _FusedResidualForward
+
+    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    assert layers and all(isinstance(m.__dict__.get("forward"), _FusedResidualForward) for m in layers)
+    assert all(isinstance(m.mlp, SwiGLUMLP) and isinstance(m.input_layernorm, RMSNorm) for m in layers)
+    heads = [m for n, m in model.named_modules() if n.endswith("lm_head")]
+    assert all(isinstance(m, FusedLMHead) == (plugin.tp_size == 1) for m in heads), heads
+    modeling = __import__(type(layers[0].self_attn).__module__, fromlist=["x"])
+    assert modeling.apply_rotary_pos_emb.__module__ == "cai.kernels._rope"
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_hybrid_parity(case: Case) -> None:
-    reference = reference_run(case.layout.tied, case.mode)
+    reference = reference_run(case.layout.tied, "plain" if case.mode == "kernels" else case.mode)
     results = run_distributed(boosted_run, case.layout.world, case, reference, timeout=300)
     assert len({round(r, 10) for r in results}) == 1, results
 

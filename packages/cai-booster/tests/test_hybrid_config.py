@@ -36,7 +36,7 @@ def test_colossal_defaults_and_keywords() -> None:
     cfg = HybridParallelPlugin(tp_size=1, pp_size=1, sp_size=2, enable_sequence_parallelism=True).config
     assert (cfg.sequence_parallelism_mode, cfg.sp_size) == ("all_to_all", 2)
     everything = HybridParallelPlugin(tp_size=2, pp_size=1, enable_all_optimization=True).config
-    assert everything.fused_normalization and everything.flash_attention
+    assert everything.fused_normalization and everything.fused_kernels and everything.flash_attention
     assert HybridParallelPlugin(tp_size=2, pp_size=1, enable_flash_attention=True).config.flash_attention
     # accepted for compatibility, with no effect (the reasons are in the table)
     HybridParallelPlugin(tp_size=2, pp_size=1, dp_outside=False, overlap_p2p=False)

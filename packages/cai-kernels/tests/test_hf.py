@@ -121,6 +121,54 @@ def test_num_items_in_batch_and_no_labels(impl, restore_rope):
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def _loss_of(model, ids, labels):
+    return (
+        model(input_ids=ids, decoder_input_ids=ids, labels=labels)
+        if model.config.is_encoder_decoder
+        else (model(input_ids=ids, labels=labels))
+    )
+
+
+@pytest.mark.parametrize("arch", ["gemma2-softcap", "t5"])
+def test_fused_loss_only_where_the_head_output_is_the_loss_input(arch):
+    # [Note: where the head's output goes] Gemma 2 soft-caps its logits before self.loss_function and T5 computes
+    # its own CrossEntropyLoss: a deferred head would hand either the hidden states, and the loss would be wrong
+    # without an error. These keep their head; the loss and gradients are the unpatched model's.
+    from cai.kernels._hf import head_feeds_loss
+
+    torch.manual_seed(3)
+    if arch == "t5":
+        config = transformers.T5Config(vocab_size=61, d_model=32, d_kv=8, num_heads=4, d_ff=48, num_layers=2,
+                                       decoder_start_token_id=0, dropout_rate=0.0)  # fmt: skip
+    else:
+        config = transformers.Gemma2Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           final_logit_softcapping=3.0)  # fmt: skip
+    ref = (
+        transformers.AutoModelForCausalLM.from_config(config)
+        if arch != "t5"
+        else (transformers.T5ForConditionalGeneration(config))
+    )
+    ref = ref.double().train()
+    ids = torch.randint(0, 61, (2, 6))
+    ref_loss = _loss_of(ref, ids, ids)
+    ref_loss.loss.backward()
+    model = patch_hf_model(copy.deepcopy(ref), rope=False)
+    model.zero_grad()
+    assert not head_feeds_loss(type(model)) and type(model.lm_head) is torch.nn.Linear
+    out = _loss_of(model, ids, ids)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref_loss.loss, rtol=1e-6, atol=0)
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+    # the families that pass their head's output straight to the loss keep the fused loss
+    assert all(
+        head_feeds_loss(getattr(transformers, n))
+        for n in ("LlamaForCausalLM", "OPTForCausalLM", "FalconForCausalLM", "GPT2LMHeadModel")
+    )
+
+
 def test_flags_leave_parts_alone(restore_rope):
     model = patch_hf_model(build(Case(arch="llama", tie=False)), rms_norm=False, swiglu=False, rope=False,
                            fused_loss=False, training_forward=False)  # fmt: skip

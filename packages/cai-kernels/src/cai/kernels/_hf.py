@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 import logging
 import sys
+import textwrap
 from collections.abc import Callable
 
 import torch
@@ -118,6 +121,63 @@ def _patch_rope(model: nn.Module) -> list[str]:
     return patched
 
 
+# [Note: where the head's output goes]
+# Deferring the head hands the hidden states to whatever the model's forward does with the head's output. That is
+# the loss only where the forward passes the output, untouched, to ``self.loss_function``: Llama, Mistral, Qwen,
+# GPT-2, OPT, Falcon and most causal LMs. Gemma 2/3 soft-cap the logits first, Granite and Cohere scale them, T5 and
+# Whisper call their own CrossEntropyLoss: deferred, each would compute a loss of the hidden states, silently
+# wrong. So the forward's source is read: one name is assigned ``self.lm_head(...)`` (or its ``.contiguous()``)
+# and never written again, and every ``self.loss_function`` call is given that name as its logits.
+
+
+def _is_self_attr(node: ast.AST, attr: str) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == attr
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
+
+
+def _head_call(node: ast.AST) -> bool:
+    """``self.lm_head(...)`` or ``self.lm_head(...).contiguous()``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "contiguous":
+        node = node.func.value
+    return isinstance(node, ast.Call) and _is_self_attr(node.func, "lm_head")
+
+
+@functools.cache
+def head_feeds_loss(cls: type) -> bool:
+    """Whether ``cls.forward`` hands its lm_head's output untouched to ``self.loss_function`` (see
+    [Note: where the head's output goes]); False where the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    writes: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets, value = [node.target], None
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Name):
+                writes.setdefault(target.id, []).append(value)
+    heads = [name for name, values in writes.items() if any(v is not None and _head_call(v) for v in values)]
+    if len(heads) != 1 or len(writes[heads[0]]) != 1:
+        return False
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _is_self_attr(n.func, "loss_function")]
+
+    def given_head_output(call: ast.Call) -> bool:
+        named = [k.value for k in call.keywords if k.arg == "logits"]
+        arg = named[0] if named else call.args[0] if call.args else None
+        return isinstance(arg, ast.Name) and arg.id == heads[0]
+
+    return bool(calls) and all(given_head_output(c) for c in calls)
+
+
 def defer_lm_head_loss(
     model: nn.Module,
     head: nn.Module,
@@ -184,6 +244,13 @@ def _patch_loss(model: nn.Module) -> bool:
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function"):
         return False
+    if not head_feeds_loss(type(model)):
+        logger.info(
+            "fused loss not applied: %s.forward does not hand its lm_head output untouched to self.loss_function "
+            "(see [Note: where the head's output goes])",
+            type(model).__name__,
+        )
+        return False
     if isinstance(head, FusedLMHead):  # already patched: the loss wrapper and hooks are in place
         return True
     head = FusedLMHead.take_over(head)
@@ -226,7 +293,9 @@ def patch_hf_model(
       `labels`, the lm_head returns the hidden states and the loss is
       :func:`cai.kernels.fused_linear_cross_entropy` (labels shifted as Hugging Face does, `num_items_in_batch`
       honoured): the logits are never materialised and `outputs.logits` is None. In eval mode, or without
-      labels, the forward is unchanged. With `return_dict=False` the logits slot is left as returned.
+      labels, the forward is unchanged. With `return_dict=False` the logits slot is left as returned. Only for a
+      model whose forward hands its lm_head output untouched to `self.loss_function` (:func:`head_feeds_loss`,
+      [Note: where the head's output goes]); others (soft-capped or self-computed losses) keep their head.
     - `shared_qkv`: the `q_proj`, `k_proj` and `v_proj` (plain `nn.Linear`) of every `*Attention` module get a
       `forward` instance attribute that computes the three in one autograd function, whose backward adds the
       input gradients inside the matmuls ([Note: shared-input projections]); the modules stay `nn.Linear`.

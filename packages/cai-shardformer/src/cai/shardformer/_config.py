@@ -23,7 +23,7 @@ class ShardConfig:
         parallel_output: True computes the causal-LM loss vocab-parallel from the hidden states (the logits are
             never gathered); False gathers the logits and leaves the loss to the model.
         enable_fused_normalization: RMSNorm and LayerNorm modules become cai-kernels' `RMSNorm` / `LayerNorm`
-            (same Parameters, same state-dict keys).
+            (same Parameters, same state-dict keys); a pre-norm decoder layer's residual adds then run inside them.
         enable_sequence_parallelism / sequence_parallelism_mode: one of `SUPPORT_SP_MODE`; the mode defaults to
             "split_gather" when sequence parallelism is on. split_gather and ring split the sequence over the tp
             group (the sp group is the tp group); "all_to_all" (Ulysses) and "ring_attn" run on
@@ -33,7 +33,9 @@ class ShardConfig:
             backward ends (see [Note: gradients of parameters under sequence parallelism]), as one process would
             have it. False leaves each rank the gradient of its own tokens, for a caller that sums them itself (a
             ZeRO optimizer whose reduction group spans dp x sp, as cai's HybridParallelPlugin does).
-        enable_all_optimization: turns on the fused normalization and flash attention.
+        enable_all_optimization: turns on the fused normalization and flash attention, and applies the rest of
+            `cai.kernels.patch_hf_model`: SwiGLU, rotary, the shared q/k/v input, the trimmed training forward and,
+            where the head is not vocab-parallel (tp 1), the fused linear cross-entropy.
         enable_flash_attention: a Hugging Face model on eager attention moves to torch SDPA (flash kernels where
             they apply); one on another implementation keeps it.
         enable_jit_fused: accepted for compatibility, no effect (there are no JIT-fused kernels).

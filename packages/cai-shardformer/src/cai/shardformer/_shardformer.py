@@ -60,14 +60,20 @@ class ShardFormer:
         if cfg.enable_fused_normalization or cfg.enable_all_optimization:
             from cai.kernels import patch_hf_model
 
+            # The norms (with the residual adds they take in) under either switch, the other kernels under
+            # enable_all_optimization; each composes with the policies, whose tp layers replace plain Linear
+            # modules that SwiGLU and the shared q/k/v input then leave to them. The fused loss only where the head
+            # stays whole: a vocab-parallel head computes its own loss from the hidden states.
+            everything = cfg.enable_all_optimization
             patch_hf_model(
                 model,
                 rms_norm=True,
-                swiglu=False,
-                rope=False,
-                fused_loss=False,
-                shared_qkv=False,
-                fused_residual=False,
+                swiglu=everything,
+                rope=everything,
+                fused_loss=everything and cfg.tensor_parallel_size == 1,
+                shared_qkv=everything,
+                fused_residual=True,
+                training_forward=everything,
             )
             fuse_layer_norms(model)
         apply_module_policy(model, policy.module_policy(), cfg)

@@ -369,9 +369,10 @@ HYBRID_ARGS = PluginArgs(
         "make_vocab_size_divisible_by": Mapped("make_vocab_size_divisible_by"),
         "use_fp8": Mapped("use_fp8"),
         "fp8_communication": Mapped("zero.fp8_communication"),
-        # enable_all_optimization folds into these two (fused normalization and flash attention)
+        # enable_all_optimization folds into these three (see hybrid_sp_kwargs)
         "enable_fused_normalization": Mapped("fused_normalization"),
         "enable_flash_attention": Mapped("flash_attention"),
+        "enable_jit_fused": Mapped("fused_kernels"),
         "gradient_checkpoint_config": Mapped(
             ("gradient_checkpointing", "gradient_checkpointing_ratio"),
             _checkpoint_from_colossal,
@@ -387,7 +388,6 @@ HYBRID_ARGS = PluginArgs(
         "overlap_communication": True,
     },
     ignored={
-        "enable_jit_fused": "there are no JIT-fused kernels; enable_fused_normalization gives cai-kernels' norms",
         "enable_sequence_overlap": "the 'ring' mode already overlaps its sends with the matmuls",
         "broadcast_buffers": _NO_DDP,
         "ddp_bucket_cap_mb": _NO_DDP,
@@ -430,7 +430,7 @@ MOE_HYBRID_ARGS = PluginArgs(
 
 def hybrid_sp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Colossal-AI's two sequence-parallel switches as the one mode cai's config holds, and
-    ``enable_all_optimization`` as the fused normalization and flash attention it turns on."""
+    ``enable_all_optimization`` as the fused normalization, fused kernels and flash attention it turns on."""
     out = dict(kwargs)
     enable = out.pop("enable_sequence_parallelism", False)
     mode = out.get("sequence_parallelism_mode")
@@ -443,6 +443,7 @@ def hybrid_sp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         )
     if out.pop("enable_all_optimization", False):
         out.setdefault("enable_fused_normalization", True)
+        out.setdefault("enable_jit_fused", True)
         out.setdefault("enable_flash_attention", True)
     return out
 

@@ -239,6 +239,7 @@ class HybridParallelPlugin(Plugin):
             sequence_parallel_process_group=self.sp_group,
             enable_tensor_parallelism=self.tp_size > 1,
             enable_fused_normalization=cfg.fused_normalization,
+            enable_all_optimization=cfg.fused_kernels,
             enable_sequence_parallelism=cfg.sequence_parallelism_mode is not None,
             sequence_parallelism_mode=cfg.sequence_parallelism_mode,
             parallel_output=cfg.parallel_output,
@@ -251,7 +252,12 @@ class HybridParallelPlugin(Plugin):
 
     def _needs_policy(self, model: nn.Module) -> bool:
         cfg = self.config
-        return self.tp_size > 1 or cfg.sequence_parallelism_mode is not None or cfg.fused_normalization
+        return (
+            self.tp_size > 1
+            or cfg.sequence_parallelism_mode is not None
+            or cfg.fused_normalization
+            or cfg.fused_kernels
+        )
 
     def _policy(self, model: nn.Module) -> Any:
         return self.config.custom_policy  # None: the one registered for the model's class

@@ -94,7 +94,12 @@ class HybridParallelConfig:
         loss_scale: the fp16 loss scaler (``cai.zero.LossScaleConfig``).
         pipeline: schedule and stage layout (``PipelineConfig``); needs a micro-batch setting when ``pp_size > 1``.
         parallel_output: compute the causal-LM loss vocab-parallel from the hidden states (logits never gathered).
-        fused_normalization: replace RMSNorm / LayerNorm by cai-kernels' fused ones.
+        fused_normalization: replace RMSNorm / LayerNorm by cai-kernels' fused ones (a pre-norm decoder layer's
+            residual adds then run inside them).
+        fused_kernels: cai-kernels' SwiGLU, rotary, shared q/k/v input and trimmed training forward too, and the
+            fused linear cross-entropy where the head is not vocab-parallel (tp 1); with the tp policies, the
+            kernels run around the parallel layers. This is cai-shardformer's ``enable_all_optimization``, which
+            also moves a model on eager attention to torch SDPA.
         flash_attention: a Hugging Face model on eager attention moves to torch SDPA (flash kernels where they
             apply) before it is sharded; one already on another implementation keeps it.
         make_vocab_size_divisible_by: pad the vocabulary to a multiple of this times tp (None: no padding).
@@ -131,6 +136,7 @@ class HybridParallelConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     parallel_output: bool = True
     fused_normalization: bool = False
+    fused_kernels: bool = False
     flash_attention: bool = False
     make_vocab_size_divisible_by: int | None = 64
     custom_policy: Any = None
