@@ -275,10 +275,23 @@ class _Unset(nn.Module):
         self.v.data[:2].zero_()  # half of it
 
 
+class _ReadFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.u = nn.Parameter(torch.empty(4))
+        self.t = nn.Parameter(self.u.detach() * 2)  # from u before anything wrote u
+        nn.init.ones_(self.u)
+
+
 def test_a_parameter_nothing_initialises_raises_naming_it() -> None:
     with LazyInitContext():
         model = _Unset()
     with pytest.raises(RuntimeError, match="no initial values for v, w: nothing wrote"):
+        Booster(device="cpu").boost(model)
+    # u is set whole later, so only what was made from it first is reported
+    with LazyInitContext():
+        model = _ReadFirst()
+    with pytest.raises(RuntimeError, match="no initial values for t: nothing wrote"):
         Booster(device="cpu").boost(model)
 
 

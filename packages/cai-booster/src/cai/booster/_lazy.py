@@ -188,6 +188,7 @@ def initialise(module: nn.Module, touched: list[nn.Module]) -> None:
     """Fill freshly allocated parameters of ``touched`` modules: replay their construction, or, for those that
     cannot be replayed, run their modules' own initialisers (see [Note: replaying construction])."""
     replays: dict[int, tuple[Log, dict[int, torch.Tensor]]] = {}
+    replayed: list[tuple[nn.Parameter, Log, int]] = []
     owners: list[nn.Module] = []  # modules holding parameters that cannot be replayed
     checked: list[nn.Parameter] = []
     seen: set[int] = set()
@@ -201,7 +202,7 @@ def initialise(module: nn.Module, touched: list[nn.Module]) -> None:
                 base = pending.base(p) if pending is not None else None
                 if base is not None:
                     replays.setdefault(id(pending.log), (pending.log, {}))[1][pending.slot] = base
-                    checked.append(p)
+                    replayed.append((p, pending.log, pending.slot))
                     continue
                 if sub not in owners:
                     owners.append(sub)
@@ -210,10 +211,8 @@ def initialise(module: nn.Module, touched: list[nn.Module]) -> None:
                     checked.append(p)
         if owners:
             _fallback(module, owners)
-        for log, targets in replays.values():
-            for base in targets.values():
-                poison(base)
-            log.replay(targets)
+        unsure = {(id(log), s) for log, targets in replays.values() for s in log.replay(targets)}
+        checked += [p for p, log, s in replayed if (id(log), s) in unsure]
         _check(module, checked)
 
 

@@ -18,8 +18,9 @@ someone seeded it), a marker says which run it continues and after how many draw
 Before a real random op (``torch.randn`` for a buffer or a parameter) the pending draws are made into scratch, so
 the real op sees eager's state. Leaving the context puts a parked generator back where its deferred draws began.
 
-A replayed parameter starts as NaN; one that nothing wrote, entirely, makes materialising raise, naming it, instead
-of handing out uninitialised memory. Parameters that cannot be replayed (built outside the context, or replaced by
+A replayed parameter starts as NaN unless the first record that runs on it sets all of it (most do: an ``nn.init``
+call, a copy of its values), which saves a pass over the model; one that nothing wrote, entirely, makes
+materialising raise, naming it, instead of handing out uninitialised memory. Parameters that cannot be replayed (built outside the context, or replaced by
 a sharding plugin: tensor-parallel layers, FSDP2's DTensors) fall back to their modules' own initialisers
 (``reset_parameters``, or a Hugging Face model's ``initialize_weights``): eager's distributions, not its numbers.
 """
@@ -314,10 +315,15 @@ class Log:
         self.runs.pop(id(gen), None)
 
     # -- replaying
-    def replay(self, targets: dict[int, torch.Tensor]) -> None:
+    def replay(self, targets: dict[int, torch.Tensor]) -> set[int]:
         """Give each slot in ``targets`` (a flat tensor over it, on any device) its value at the end of
-        construction, running only the records it depends on."""
+        construction, running only the records it depends on. Returns the slots that may hold elements nothing
+        wrote: those are poisoned first (NaN), for the caller to check; a slot whose first use sets all of it is
+        not (an extra pass over every parameter otherwise)."""
         plan, last = self._plan(set(targets))
+        unsure = set(targets) - self._first_set_whole(plan, set(targets))
+        for s in unsure:
+            poison(targets[s])
         env = {s: t for s, t in targets.items() if t.device == self.slots[s].device}
         saved = {id(r.gen): (r.gen, r.gen.get_state()) for r, how in zip(self.records, plan) if how == "seed"}
 
@@ -353,6 +359,21 @@ class Log:
         finally:
             for gen, state in saved.values():
                 gen.set_state(state)
+        return unsure
+
+    def _first_set_whole(self, plan: list[str | None], slots: set[int]) -> set[int]:
+        """The ``slots`` whose first use among the records that run writes every element without reading any."""
+        seen: set[int] = set()
+        whole: set[int] = set()
+        for r, how in zip(self.records, plan):
+            if how != "run":
+                continue
+            for s in (*r.writes, *r.reads):
+                if s in slots and s not in seen:
+                    seen.add(s)
+                    if s in r.full and s not in r.reads:
+                        whole.add(s)
+        return whole
 
     def _plan(self, wanted: set[int]) -> tuple[list[str | None], dict[int, int]]:
         """Backwards over the records: which run ("run"), which only draw ("scratch"), which seeds matter
@@ -409,7 +430,7 @@ def _scratch(op: _Op, slots: list[_Slot]) -> None:
         if not isinstance(x, View):
             return x
         size = 1 + sum((n - 1) * s for n, s in zip(x.size, x.stride)) if all(x.size) else 0
-        flat = torch.zeros(size, dtype=x.dtype, device=slots[x.slot].device)
+        flat = torch.empty(size, dtype=x.dtype, device=slots[x.slot].device)  # a draw's count is its size
         return flat.as_strided(x.size, x.stride)
 
     op.func(*tree_map(make, op.args), **tree_map(make, op.kwargs))
