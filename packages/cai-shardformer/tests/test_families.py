@@ -40,11 +40,13 @@ class Case:
     variant: str = ""  # a family's alternative layout (Falcon's multi_query / new_decoder_architecture, ...)
     kv_heads: int = 2  # Falcon's new_decoder_architecture kv groups
     parallel_output: bool = True  # False: gathered logits and the model's own loss
+    kernels: bool = False  # enable_all_optimization: cai-kernels where they apply, around the parallel layers
 
     @property
     def name(self) -> str:
         parts = [self.family, self.variant, "tied" if self.tie else "untied"]
-        return "-".join(filter(None, [*parts, "" if self.parallel_output else "gathered_logits"]))
+        extra = ["" if self.parallel_output else "gathered_logits", "kernels" if self.kernels else ""]
+        return "-".join(filter(None, [*parts, *extra]))
 
 
 def _tiny(case: Case, **overrides):
@@ -162,9 +164,8 @@ def _check_state_blocks(model, ref, case: Case) -> None:
 
 def _train(case: Case) -> None:
     ref = _tiny(case)
-    model, shared = ShardFormer(ShardConfig(parallel_output=case.parallel_output)).optimize(
-        copy.deepcopy(ref)
-    )
+    config = ShardConfig(parallel_output=case.parallel_output, enable_all_optimization=case.kernels)
+    model, shared = ShardFormer(config).optimize(copy.deepcopy(ref))
     assert shared == []
     _check_state_blocks(model, ref, case)
     assert set(model.state_dict()) == set(ref.state_dict())  # the Hugging Face keys
@@ -231,6 +232,8 @@ CASES = {
         Case("gptj"), Case("gptj", tie=True, parallel_output=False), Case("bloom"), Case("bloom", tie=True),
         Case("falcon", tie=True, variant="multi_query"), Case("falcon", variant="new_arch"),
         Case("falcon", tie=True, variant="mha"), Case("falcon", variant="mha_alibi"),
+        Case("gpt2", kernels=True), Case("gemma2", tie=True, kernels=True), Case("mixtral", kernels=True),
+        Case("opt", kernels=True), Case("bloom", kernels=True), Case("falcon", variant="new_arch", kernels=True),
     ],
     4: [
         Case("gpt2", tie=True), Case("gemma", tie=True), Case("gemma3", tie=True), Case("mixtral"),
