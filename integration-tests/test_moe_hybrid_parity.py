@@ -12,6 +12,7 @@ ranks' checkpoint pieces (experts under their global index).
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -35,6 +36,7 @@ class Case:
     tp: int
     zero: int
     data: str  # "same" | "split" | "skewed"
+    kernels: bool = False  # enable_all_optimization: cai-kernels around the expert and tensor-parallel layers
 
     @property
     def world(self) -> int:
@@ -42,7 +44,9 @@ class Case:
 
     @property
     def id(self) -> str:
-        return f"{self.family}-ep{self.ep}-tp{self.tp}-zero{self.zero}-{self.data}"
+        return f"{self.family}-ep{self.ep}-tp{self.tp}-zero{self.zero}-{self.data}" + (
+            "-kernels" * self.kernels
+        )
 
 
 # ep {2, 4} x tp {1, 2} x ZeRO {1, 2} for both families; both data modes except on 8 ranks, where each ZeRO stage
@@ -60,6 +64,8 @@ CASES += [
     Case(family="qwen3_moe", ep=1, tp=2, zero=2, data="split"),
     Case(family="mixtral", ep=4, tp=1, zero=1, data="skewed"),
     Case(family="mixtral", ep=2, tp=1, zero=0, data="split"),
+    Case(family="mixtral", ep=2, tp=1, zero=1, data="split", kernels=True),
+    Case(family="qwen3_moe", ep=2, tp=2, zero=2, data="split", kernels=True),
 ]
 
 
@@ -107,11 +113,18 @@ def boosted_run(case: Case, ref: tuple[list[float], dict[str, torch.Tensor]]) ->
 
     ref_losses, ref_params = ref
     plugin = MoeHybridParallelPlugin(tp_size=case.tp, pp_size=1, ep_size=case.ep, zero_stage=case.zero,
-                                     precision="fp32")  # fmt: skip
+                                     precision="fp32", enable_all_optimization=case.kernels)  # fmt: skip
     booster = Booster(plugin=plugin, device="cpu")
     model = model_for(case.family, case.data)
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
     model, opt, *_ = booster.boost(model, opt)
+    if case.kernels:
+        from cai.kernels import RMSNorm
+
+        norms = [m for m in model.unwrap().modules() if type(m).__name__.endswith("RMSNorm")]
+        assert norms and all(type(m) is RMSNorm for m in norms), {type(m) for m in norms}
+        modeling = sys.modules[type(model.unwrap()).__module__]
+        assert modeling.apply_rotary_pos_emb.__module__ == "cai.kernels._rope"
     replicas, me = plugin.dp_size, plugin.dp_rank  # the dense weights' dp x ep
     losses = []
     for step in range(STEPS):
