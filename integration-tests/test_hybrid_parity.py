@@ -235,7 +235,9 @@ def check_kernels(model: torch.nn.Module, plugin) -> None:
     layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     assert layers and all(isinstance(m.__dict__.get("forward"), _FusedResidualForward) for m in layers)
     assert all(isinstance(m.mlp, SwiGLUMLP) and isinstance(m.input_layernorm, RMSNorm) for m in layers)
-    heads = [m for n, m in model.named_modules() if n.endswith("lm_head")]
+    # (a pipeline stage without the head holds a placeholder there)
+    heads = [m for n, m in model.named_modules() if n.endswith("lm_head") and type(m).__name__ != "_Absent"]
+    assert heads or plugin.pp_size > 1
     assert all(isinstance(m, FusedLMHead) == (plugin.tp_size == 1) for m in heads), heads
     modeling = __import__(type(layers[0].self_attn).__module__, fromlist=["x"])
     assert modeling.apply_rotary_pos_emb.__module__ == "cai.kernels._rope"
