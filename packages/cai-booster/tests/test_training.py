@@ -276,3 +276,63 @@ def test_training_forward_skips_the_packed_sequence_check_only_for_its_own_posit
     assert r["packed positions"] == (pytest.approx(r["reference packed"], rel=1e-6), 1)
     assert r["evaluation"] == (pytest.approx(r["reference own"], rel=1e-6), 2)
     assert abs(r["reference packed"] - r["reference own"]) > 1e-4
+
+
+def _bf16_loaded(plugin: str, pure_bf16: bool = False) -> dict:
+    """A model that comes in bf16, boosted with no precision switch ([Note: fp32 master weights whatever the load
+    dtype]); 3 AdamW steps at lr 1e-5, below a bf16 weight's resolution. ``pure_bf16``: the same steps taken on the
+    bf16 parameters themselves, in one process, as they would be without the Booster."""
+    model = TinyTransformer(seed=0).to(torch.bfloat16)
+    model.pos.requires_grad_(False)  # frozen: stays as it came under autocast
+    start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    if not pure_bf16:
+        booster = Booster(plugin=TorchDDPPlugin() if plugin == "ddp" else TorchFSDPPlugin(), device="cpu")
+        model, opt, *_ = booster.boost(model, opt)
+    inner = model.unwrap() if not pure_bf16 else model
+    outputs: list[torch.dtype] = []
+    inner.head.register_forward_hook(lambda _m, _i, out: outputs.append(out.dtype))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if not pure_bf16 else (0, 1)
+    ids, labels = make_batch(batch_size=4, seq_len=16, seed=0)
+    for _ in range(3):
+        loss = TinyTransformer.loss(model(ids.chunk(world)[rank]), labels.chunk(world)[rank])
+        if pure_bf16:
+            loss.backward()
+        else:
+            booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+
+    def full(p: torch.Tensor) -> torch.Tensor:
+        return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+
+    params = {n: full(p) for n, p in inner.named_parameters()}
+    trained = [n for n, p in inner.named_parameters() if p.requires_grad]
+    moved = sum(int((params[n] != start[n]).sum()) for n in trained) / sum(start[n].numel() for n in trained)
+    return {
+        "trainable": {str(p.dtype) for p in inner.parameters() if p.requires_grad},
+        "frozen": {str(p.dtype) for p in inner.parameters() if not p.requires_grad},
+        "compute": str(outputs[0]),
+        "moved": moved,
+        "params": params,
+    }
+
+
+@pytest.mark.parametrize("plugin", ["ddp", "fsdp"])
+def test_a_model_that_comes_in_bf16_steps_fp32_master_weights(plugin: str) -> None:
+    # In bf16 itself most of these updates round away; the boosted model keeps them, on every rank alike.
+    [pure] = run_distributed(_bf16_loaded, 1, plugin, True)
+    assert pure["trainable"] == {"torch.bfloat16"} and pure["moved"] < 0.1, pure["moved"]
+    results = run_distributed(_bf16_loaded, 2, plugin)
+    for r in results:
+        assert r["trainable"] == {"torch.float32"} and r["moved"] > 0.95, (r["trainable"], r["moved"])
+        # DDP computes in the dtype the model came in, under autocast, and leaves frozen parameters as they
+        # came; FSDP's units hold one dtype, and it computes in its precision (fp32 unless given)
+        want = (
+            ("torch.bfloat16", {"torch.bfloat16"})
+            if plugin == "ddp"
+            else ("torch.float32", {"torch.float32"})
+        )
+        assert (r["compute"], r["frozen"]) == want, r
+    for name, value in results[1]["params"].items():
+        assert torch.equal(value, results[0]["params"][name]), name

@@ -6,6 +6,16 @@ A plugin either *controls* precision (FSDP2 through ``MixedPrecisionPolicy``, Ze
 fp32 master weights) or leaves it to the Booster (TorchDDP, no plugin). In the second case the model keeps fp32
 parameters, which are the master weights, and its forward runs under ``torch.autocast``; fp16 adds a dynamic
 loss scaler in the optimizer wrapper. bf16 never uses a loss scaler.
+
+[Note: fp32 master weights whatever the load dtype]
+Where the parameters are the master weights (TorchDDP, no plugin, FSDP2's sharded parameters), a model loaded in
+bf16 or fp16 would take its optimizer steps in that dtype: an update below half a unit in the last place of a
+weight is lost, so training drifts from what the same run does with fp32 weights, with no error. ``boost()``
+therefore turns those parameters into fp32 ones, in place (the same Parameter objects, so the optimizer keeps
+them; optimizer state already made is cast with them). Compute keeps the dtype asked for, and where none was
+asked for, the dtype the model came in: TorchDDP then runs its forward under autocast in that dtype, so a bf16
+model computes in bf16 as before and steps fp32 weights. Memory: 4 bytes a weight for the weight and 4 for its
+gradient, as for a model built in fp32.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from cai.kernels.optim import DynamicLossScaler, LossScaleConfig
+from cai.mesh import get_dist_logger
 
 __all__ = [
     "PRECISIONS",
@@ -99,6 +110,37 @@ def mixed_precision_factory(mixed_precision: str | MixedPrecision | None) -> Mix
             "(fp8 compute is not implemented yet)"
         )
     return MixedPrecision(precision=mixed_precision)
+
+
+def fp32_master_weights(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, frozen: bool, owner: str
+) -> torch.dtype | None:
+    """Make ``model``'s bf16/fp16 parameters fp32 in place ([Note: fp32 master weights whatever the load dtype]):
+    the trainable ones, and with ``frozen`` the frozen ones too. Returns the low-precision dtype the trainable
+    parameters came in (bf16 where both occur), or None when none did (nothing is changed then)."""
+    low = (torch.bfloat16, torch.float16)
+    params = list({id(p): p for p in model.parameters()}.values())
+    came_in = {p.dtype for p in params if p.requires_grad and p.dtype in low}
+    if not came_in:
+        return None
+    changed = 0
+    for p in params:
+        if p.dtype not in low or not (frozen or p.requires_grad):
+            continue
+        old = p.dtype
+        p.data = p.data.float()
+        state = optimizer.state.get(p) if optimizer is not None else None
+        for key, value in (state or {}).items():
+            if isinstance(value, torch.Tensor) and value.dtype == old:
+                state[key] = value.float()
+        changed += p.numel()
+    loaded = torch.bfloat16 if torch.bfloat16 in came_in else torch.float16
+    get_dist_logger().info(
+        f"{owner}: the model's parameters came in {loaded}; {changed / 1e6:.1f}M of them are fp32 now, so the "
+        "optimizer steps fp32 master weights (see [Note: fp32 master weights whatever the load dtype])",
+        ranks=[0],
+    )
+    return loaded
 
 
 def autocast_forward(module: torch.nn.Module, dtype: torch.dtype) -> None:

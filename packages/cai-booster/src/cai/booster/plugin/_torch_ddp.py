@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cai.booster._lazy import is_lazy, materialize
-from cai.booster._precision import DynamicLossScaler, autocast_forward
+from cai.booster._precision import DynamicLossScaler, autocast_forward, fp32_master_weights
 from cai.booster._pretrained import load_pretrained_into
 from cai.booster._replicas import broadcast_tensors
 from cai.booster._state import ModuleState
@@ -103,8 +103,13 @@ class TorchDDPPlugin(DPPluginBase):
         if optimizer is not None:
             rebind_optimizer(optimizer, names, dict(model.named_parameters(remove_duplicate=False)))
         mp = ctx.mixed_precision
-        if mp is not None and mp.precision != "fp32":
-            autocast_forward(model, mp.dtype)
+        # fp32 weights for the optimizer; compute in the dtype asked for, else in the one the model came in. Asked
+        # for fp32, the frozen parameters become fp32 too (nothing casts them then).
+        asked_fp32 = mp is not None and mp.precision == "fp32"
+        loaded = fp32_master_weights(model, optimizer, frozen=asked_fp32, owner=self.name)
+        compute = loaded if mp is None else None if asked_fp32 else mp.dtype
+        if compute is not None:
+            autocast_forward(model, compute)
         wrapped: nn.Module = model
         if dist.is_initialized() and dist.get_world_size() > 1:
             if ctx.device.type == "cuda":

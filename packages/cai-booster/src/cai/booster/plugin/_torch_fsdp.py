@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cai.booster._lazy import initialise, is_lazy
-from cai.booster._precision import DynamicLossScaler, check_precision, precision_dtype
+from cai.booster._precision import DynamicLossScaler, check_precision, fp32_master_weights, precision_dtype
 from cai.booster._pretrained import load_pretrained_into
 from cai.booster._state import ModuleState
 from cai.booster._wrappers import ModelWrapper, OptimizerWrapper
@@ -206,6 +206,9 @@ class TorchFSDPPlugin(DPPluginBase):
         lazy = is_lazy(model)
         if not lazy:
             model.to(ctx.device)
+            # the sharded parameters are the master weights (compute takes c.precision's copies); frozen ones too,
+            # so that each unit holds one dtype
+            fp32_master_weights(model, optimizer, frozen=True, owner=self.name)
         mesh = init_device_mesh(ctx.device.type, (dist.get_world_size(),))
         dtype = precision_dtype(c.precision)
         kwargs = {
