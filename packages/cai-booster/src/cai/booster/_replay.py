@@ -20,9 +20,10 @@ the real op sees eager's state. Leaving the context puts a parked generator back
 
 A replayed parameter starts as NaN unless the first record that runs on it sets all of it (most do: an ``nn.init``
 call, a copy of its values), which saves a pass over the model; one that nothing wrote, entirely, makes
-materialising raise, naming it, instead of handing out uninitialised memory. Parameters that cannot be replayed (built outside the context, or replaced by
-a sharding plugin: tensor-parallel layers, FSDP2's DTensors) fall back to their modules' own initialisers
-(``reset_parameters``, or a Hugging Face model's ``initialize_weights``): eager's distributions, not its numbers.
+materialising raise, naming it, instead of handing out uninitialised memory. Parameters that cannot be replayed
+(built outside the context, or replaced by a sharding plugin: tensor-parallel layers, FSDP2's DTensors) fall back
+to their modules' own initialisers (``reset_parameters``, or a Hugging Face model's ``initialize_weights``): eager's
+distributions, not its numbers.
 """
 
 from __future__ import annotations

@@ -107,7 +107,10 @@ class TorchDDPPlugin(DPPluginBase):
         # for fp32, the frozen parameters become fp32 too (nothing casts them then).
         asked_fp32 = mp is not None and mp.precision == "fp32"
         loaded = fp32_master_weights(model, optimizer, frozen=asked_fp32, owner=self.name)
-        compute = loaded if mp is None else None if asked_fp32 else mp.dtype
+        if mp is None:
+            compute = loaded
+        else:
+            compute = None if asked_fp32 else mp.dtype
         if compute is not None:
             autocast_forward(model, compute)
         wrapped: nn.Module = model
