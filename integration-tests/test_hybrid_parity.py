@@ -5,7 +5,8 @@ fp16 with the first stage frozen, whose loss scaler must skip the steps the othe
 The test process trains the one-process reference on the whole global batch (once per model and mode, cached) and
 hands it to every rank, which compares inside the worker. Each data-parallel rank gets its own slice of the global batch, so a missing or doubled
 data-parallel average fails; tensor, sequence and pipeline ranks of one replica read the same slice. Compared:
-the loss of every step (on every rank; the pipeline broadcasts it), and at the end every parameter assembled from
+the loss and the gradient norm of every step (on every rank; the pipeline broadcasts the loss, the norm sums over
+tp x pp x dp), and at the end every parameter assembled from
 all ranks' pieces of the plugin's checkpoint state (tp blocks x ZeRO flat ranges x pipeline stages, under the full
 model's names), so the test also covers what ``save_model`` writes.
 """
@@ -154,37 +155,39 @@ def rows(b: dict[str, torch.Tensor], part: int, parts: int) -> dict[str, torch.T
 
 
 @functools.cache
-def reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(tied: bool, mode: str) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """The one-process run, in the test process (cached: each of the six references is trained once per test
     process, not once per rank; callers only read the result), on one thread as the pooled workers are."""
     with one_thread():
         return _reference_run(tied, mode)
 
 
-def _reference_run(tied: bool, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference_run(tied: bool, mode: str) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     model = freeze(hybrid_llama(tied), mode)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
     micro = 2 if mode == "accum" else 1
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         total = 0.0
         for i in range(micro):
             loss = model(**rows(batch(step), i, micro)).loss / micro
             loss.backward()
             total += loss.item()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.nn.utils.get_total_norm(grads)))
         if mode == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def boosted_run(case: Case, reference: tuple[list[float], dict[str, torch.Tensor]]) -> float:
+def boosted_run(case: Case, reference: tuple[list[float], list[float], dict[str, torch.Tensor]]) -> float:
     from cai.booster import Booster
     from cai.booster.plugin import HybridParallelPlugin
 
-    ref_losses, ref_params = reference
+    ref_losses, ref_norms, ref_params = reference
     plugin = HybridParallelPlugin(precision="fp32", max_norm=MAX_NORM if case.mode == "clip" else 0.0,
                                   enable_all_optimization=case.mode == "kernels",
                                   **case.layout.plugin_kwargs())  # fmt: skip
@@ -196,7 +199,7 @@ def boosted_run(case: Case, reference: tuple[list[float], dict[str, torch.Tensor
         check_kernels(model.unwrap(), plugin)
     dp, dp_rank = plugin.mesh.size("dp"), plugin.mesh.coordinate("dp")
     micro = 2 if case.mode == "accum" else 1
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         mine = rows(batch(step), dp_rank, dp)
         total = torch.zeros(())
@@ -211,6 +214,7 @@ def boosted_run(case: Case, reference: tuple[list[float], dict[str, torch.Tensor
                     loss = model(**part).loss / micro
                     booster.backward(loss, opt)
             total += loss.detach()
+        norms.append(opt.get_grad_norm())  # before step(), which then clips with the same norm
         opt.step()
         opt.zero_grad()
         dist.all_reduce(total, group=plugin.dp_group)
@@ -221,6 +225,7 @@ def boosted_run(case: Case, reference: tuple[list[float], dict[str, torch.Tensor
         rtol=1e-5,
         name=f"{case.id} loss",
     )
+    assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, name=f"{case.id} grad norm")
     params = gathered_params(booster, model, set(ref_params))
     assert_close(params, ref_params, rtol=1e-5, atol=1e-7, name=f"{case.id} params")
     return losses[-1]
