@@ -6,9 +6,9 @@ The test process trains the one-process reference on the whole global batch (onc
 hands it to every rank, which compares inside the worker. Each data-parallel rank gets its own slice of the global batch, so a missing or doubled
 data-parallel average fails; tensor, sequence and pipeline ranks of one replica read the same slice. Compared:
 the loss and the gradient norm of every step (on every rank; the pipeline broadcasts the loss, the norm sums over
-tp x pp x dp), and at the end every parameter assembled from
-all ranks' pieces of the plugin's checkpoint state (tp blocks x ZeRO flat ranges x pipeline stages, under the full
-model's names), so the test also covers what ``save_model`` writes.
+tp x pp x dp), and at the end every parameter assembled from all ranks' pieces of the plugin's checkpoint state (tp
+blocks x ZeRO flat ranges x pipeline stages, under the full model's names), so the test also covers what
+``save_model`` writes.
 """
 
 from __future__ import annotations
